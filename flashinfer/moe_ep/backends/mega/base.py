@@ -1,0 +1,113 @@
+"""The contract between the mega layer and a backend.
+
+The layer calls, in this order: ``runtime_requirements`` (class level: what is missing here),
+``__init__`` (config checks), ``preprocess_weights`` (once, into the backend's layouts),
+``allocate_workspace`` (once), then per forward ``stage_inputs`` and ``compute``; ``warmup`` before
+serving and ``destroy`` at the end. A backend raises only ``MoEEpError`` subclasses, and must leave
+itself usable after rejecting a call.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, ClassVar
+
+import torch
+
+from ...config import BootstrapConfig, FleetParams, MegaKernelConfig, MoEEpTensors, MoEWeightPack
+from ...errors import MoEEpBackendUnavailableError, MoEEpConfigError
+
+
+class MegaKernelBackend(abc.ABC):
+    """Base class of every mega backend. Subclasses set ``config_cls``."""
+
+    config_cls: ClassVar[type[MegaKernelConfig]]
+    #: hidden / intermediate sizes must be multiples of these (kernel tile and vector constraints).
+    hidden_alignment: ClassVar[int] = 1
+    intermediate_alignment: ClassVar[int] = 1
+
+    def __init__(
+        self,
+        config: MegaKernelConfig,
+        bootstrap: BootstrapConfig,
+        fleet: FleetParams,
+        device: torch.device,
+    ) -> None:
+        if not isinstance(config, self.config_cls):
+            raise MoEEpConfigError(
+                f"{type(self).__name__} needs a {self.config_cls.__name__}, got {type(config).__name__}"
+            )
+        missing = self.runtime_requirements(device)
+        if missing:
+            raise MoEEpBackendUnavailableError(
+                f"backend {config.kernel_name!r} cannot run on {device}: " + "; ".join(missing)
+            )
+        self.config = config
+        self.bootstrap = bootstrap
+        self.fleet = fleet
+        self.device = device
+        self.check_geometry()
+
+    # -- class-level ------------------------------------------------------------------------------
+    @classmethod
+    def runtime_requirements(cls, device: torch.device) -> list[str]:
+        """Human-readable list of what this backend needs and ``device``/this machine lacks ([] = ok)."""
+        return []
+
+    # -- construction -----------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.bootstrap.world_size
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.config.num_experts // self.bootstrap.world_size
+
+    def check_geometry(self) -> None:
+        c, f = self.config, self.fleet
+        if c.hidden_size != f.token_hidden_size:
+            raise MoEEpConfigError(
+                f"backend hidden_size={c.hidden_size} differs from FleetParams.token_hidden_size={f.token_hidden_size}"
+            )
+        if c.num_experts != f.num_experts:
+            raise MoEEpConfigError(
+                f"backend num_experts={c.num_experts} differs from FleetParams.num_experts={f.num_experts}"
+            )
+        if c.num_experts % self.bootstrap.world_size:
+            raise MoEEpConfigError(
+                f"num_experts={c.num_experts} is not divisible by world_size={self.bootstrap.world_size}"
+            )
+        for name, value, align in (
+            ("hidden_size", c.hidden_size, self.hidden_alignment),
+            ("intermediate_size", c.intermediate_size, self.intermediate_alignment),
+        ):
+            if value % align:
+                raise MoEEpConfigError(
+                    f"backend {c.kernel_name!r} needs {name} to be a multiple of {align}, got {value}"
+                )
+
+    @abc.abstractmethod
+    def preprocess_weights(self, weights: MoEWeightPack) -> None:
+        """Validate this rank's weights and convert them into the backend's layouts (once)."""
+
+    def allocate_workspace(self) -> None:
+        """Allocate buffers sized from ``FleetParams.max_tokens_per_rank`` (once)."""
+
+    # -- per forward ------------------------------------------------------------------------------
+    def stage_inputs(self, tensors: MoEEpTensors) -> Any:
+        """Turn validated inputs into what ``compute`` launches on (copies into symmetric buffers, ...)."""
+        return tensors
+
+    @abc.abstractmethod
+    def compute(self, staged: Any, output: torch.Tensor) -> torch.Tensor:
+        """Run the layer into ``output`` [T, H] bf16 and return it."""
+
+    # -- lifetime ---------------------------------------------------------------------------------
+    def warmup(self) -> None:
+        """Compile/load kernels and run once so the first served forward pays nothing extra."""
+
+    def destroy(self) -> None:
+        """Release workspaces and kernels. Idempotent."""
+
+
+__all__ = ["MegaKernelBackend"]

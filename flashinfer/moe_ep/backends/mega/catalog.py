@@ -1,0 +1,51 @@
+"""The built-in mega backends, by ``kernel_name``, named by import path (imported on first use).
+
+The registry (``modes.mega.registry``), the CLI and ``doctor`` all read this one table. Order is
+preference: ``--backend auto`` takes the first entry that can run on the device.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    kernel_name: str
+    config: str  # "module:Class" of the MegaKernelConfig subclass
+    backend: str  # "module:Class" of the MegaKernelBackend subclass
+    weight_format: str
+    summary: str
+
+    def load_config_class(self) -> Any:
+        return _load(self.config)
+
+    def load_backend_class(self) -> Any:
+        return _load(self.backend)
+
+
+def _load(path: str) -> Any:
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+_PKG = "flashinfer.moe_ep.backends.mega"
+
+CATALOG: tuple[BackendEntry, ...] = (
+    BackendEntry(
+        "reference",
+        f"{_PKG}.reference.config:ReferenceMegaMoeConfig",
+        f"{_PKG}.reference.backend:ReferenceMegaMoeBackend",
+        "bf16",
+        "pure torch, any device and world size (EP over torch.distributed all-to-all)",
+    ),
+)
+
+
+def catalog_entry(kernel_name: str) -> BackendEntry | None:
+    return next((e for e in CATALOG if e.kernel_name == kernel_name), None)
+
+
+__all__ = ["CATALOG", "BackendEntry", "catalog_entry"]

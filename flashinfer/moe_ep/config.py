@@ -1,0 +1,153 @@
+"""Public configuration and tensor containers (names follow FlashInfer's moe_ep)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from .core.activations import ActivationSpec, fc1_rows
+from .errors import MoEEpConfigError
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise MoEEpConfigError(f"{name} must be a positive int, got {value!r}")
+
+
+@dataclass
+class BootstrapConfig:
+    """Where this rank lives in the expert-parallel group.
+
+    ``process_group``: the EP group (torch.distributed); ``None`` means the default group when
+    ``world_size > 1``. ``device``: this rank's device (default: the current CUDA device, else CPU).
+    ``transport_timeout_s``: deadline of every cross-rank wait in the kernels.
+    """
+
+    world_size: int = 1
+    rank: int = 0
+    device: torch.device | str | int | None = None
+    process_group: Any = None
+    local_rank: int | None = None
+    transport_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        _positive_int("BootstrapConfig.world_size", self.world_size)
+        if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
+            raise MoEEpConfigError(f"BootstrapConfig.rank must be in [0, {self.world_size}), got {self.rank!r}")
+        if not self.transport_timeout_s > 0:
+            raise MoEEpConfigError("BootstrapConfig.transport_timeout_s must be > 0")
+
+    def resolved_device(self) -> torch.device:
+        if self.device is None:
+            if torch.cuda.is_available():
+                return torch.device("cuda", torch.cuda.current_device())
+            return torch.device("cpu")
+        if isinstance(self.device, int):
+            return torch.device("cuda", self.device)
+        return torch.device(self.device)
+
+
+@dataclass(frozen=True)
+class FleetParams:
+    """Geometry shared by every rank: global expert count, per-rank token capacity, hidden size."""
+
+    num_experts: int
+    max_tokens_per_rank: int
+    token_hidden_size: int
+
+    def __post_init__(self) -> None:
+        _positive_int("FleetParams.num_experts", self.num_experts)
+        _positive_int("FleetParams.max_tokens_per_rank", self.max_tokens_per_rank)
+        _positive_int("FleetParams.token_hidden_size", self.token_hidden_size)
+
+
+@dataclass(frozen=True)
+class MegaKernelConfig:
+    """Base of every mega backend config. Subclasses set ``kernel_name`` (the registry key).
+
+    ``knobs``: backend-specific compile/launch knobs (``None`` = defaults); see each backend.
+    """
+
+    kernel_name: ClassVar[str] = ""
+    #: weight format the backend consumes (``bf16``, ``mxfp8``, ``nvfp4``).
+    weight_format: ClassVar[str] = "bf16"
+
+    hidden_size: int
+    intermediate_size: int
+    num_experts: int
+    top_k: int
+    activation: str = "swiglu"
+    activation_limit: float | None = None
+    knobs: Any = None
+
+    def __post_init__(self) -> None:
+        for f in ("hidden_size", "intermediate_size", "num_experts", "top_k"):
+            _positive_int(f"{type(self).__name__}.{f}", getattr(self, f))
+        if self.top_k > self.num_experts:
+            raise MoEEpConfigError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        ActivationSpec(self.activation, self.activation_limit)  # validates
+
+    @property
+    def activation_spec(self) -> ActivationSpec:
+        return ActivationSpec(self.activation, self.activation_limit)
+
+    @property
+    def fc1_rows(self) -> int:
+        return fc1_rows(self.activation, self.intermediate_size)
+
+    def replace(self, **changes: Any) -> MegaKernelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class MegaConfig:
+    """Selects the fused "mega" mode with one backend config (``megakernel``)."""
+
+    megakernel: MegaKernelConfig
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.megakernel, MegaKernelConfig):
+            raise MoEEpConfigError(
+                f"MegaConfig.megakernel must be a backend config (a MegaKernelConfig), got {type(self.megakernel)!r}"
+            )
+
+
+@dataclass
+class MoEWeightPack:
+    """This rank's expert weights.
+
+    ``w13`` [E_local, 2I, H]: gate rows then up rows (``[E_local, I, H]`` for non-gated relu2);
+    ``w2`` [E_local, H, I]. Quantized formats also carry ``*_scale`` (and ``*_global_scale`` for NVFP4).
+    """
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+    w13_global_scale: torch.Tensor | None = None
+    w2_global_scale: torch.Tensor | None = None
+
+
+@dataclass
+class MoEEpTensors:
+    """One forward's inputs on this rank: ``hidden_states`` [T, H] bf16, ``topk_ids`` [T, k] int32
+    (global expert ids), ``topk_weights`` [T, k] fp32. ``scales``: pre-quantized activation scales."""
+
+    hidden_states: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    scales: torch.Tensor | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+__all__ = [
+    "BootstrapConfig",
+    "FleetParams",
+    "MegaConfig",
+    "MegaKernelConfig",
+    "MoEEpTensors",
+    "MoEWeightPack",
+]

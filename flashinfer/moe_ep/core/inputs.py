@@ -1,0 +1,98 @@
+"""Synthetic MoE inputs and weights for the demo, the tests and the benchmarks (never zeros).
+
+Routings: ``uniform`` (K distinct experts per token, uniformly), ``skewed`` (every token picks the hot
+expert 0, the rest uniformly), ``empty`` (only the first half of the experts is ever picked),
+``one_expert`` (every token's slot 0 is expert 0; with K = 1 all tokens go to one expert).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import MoEEpConfigError
+from .activations import fc1_rows
+
+ROUTINGS = ("uniform", "skewed", "empty", "one_expert")
+
+
+def make_topk(
+    tokens: int,
+    num_experts: int,
+    top_k: int,
+    *,
+    routing: str = "uniform",
+    generator: torch.Generator | None = None,
+    device: torch.device | str = "cpu",
+    expert_range: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ``topk_ids`` [T, K] int32 (distinct per token) and ``topk_weights`` [T, K] fp32 (sum 1).
+
+    ``expert_range=(lo, hi)`` restricts picks to experts ``[lo, hi)`` (e.g. one rank's experts).
+    """
+    lo, hi = expert_range if expert_range is not None else (0, num_experts)
+    if routing == "empty":
+        hi = lo + max(top_k, (hi - lo) // 2)
+    if routing not in ROUTINGS:
+        raise MoEEpConfigError(f"unknown routing {routing!r}; expected one of {', '.join(ROUTINGS)}")
+    if hi - lo < top_k:
+        raise MoEEpConfigError(f"cannot pick {top_k} distinct experts out of [{lo}, {hi})")
+    scores = torch.rand(tokens, hi - lo, generator=generator)
+    if routing in ("skewed", "one_expert"):
+        scores[:, 0] = 2.0  # the hot expert sorts first
+    ids = scores.argsort(dim=1, descending=True)[:, :top_k] + lo
+    if routing == "skewed" and top_k > 1:
+        # keep the hot expert but not always in slot 0
+        perm = torch.rand(tokens, top_k, generator=generator).argsort(dim=1)
+        ids = ids.gather(1, perm)
+    logits = torch.randn(tokens, top_k, generator=generator)
+    weights = torch.softmax(logits, dim=1)
+    return ids.to(torch.int32).to(device), weights.to(torch.float32).to(device)
+
+
+def make_hidden_states(
+    tokens: int, hidden_size: int, *, generator: torch.Generator | None = None, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    return torch.randn(tokens, hidden_size, generator=generator).to(torch.bfloat16).to(device)
+
+
+def make_expert_weights(
+    num_experts: int,
+    hidden_size: int,
+    intermediate_size: int,
+    activation: str = "swiglu",
+    *,
+    generator: torch.Generator | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w13`` [E, FC1 rows, H] and ``w2`` [E, H, I], scaled so activations stay O(1)."""
+    rows = fc1_rows(activation, intermediate_size)
+    w13 = torch.randn(num_experts, rows, hidden_size, generator=generator, dtype=torch.float32)
+    w13.mul_(hidden_size**-0.5)
+    w2 = torch.randn(num_experts, hidden_size, intermediate_size, generator=generator, dtype=torch.float32)
+    w2.mul_(intermediate_size**-0.5)
+    return w13.to(dtype).to(device), w2.to(dtype).to(device)
+
+
+def relative_errors(out: torch.Tensor, ref: torch.Tensor, floor: float = 1e-2) -> tuple[float, float]:
+    """(mean, max) elementwise relative error over entries with |ref| > floor * max|ref|.
+
+    NaN anywhere in ``out`` gives (inf, inf); an empty tensor gives (0, 0).
+    """
+    if out.shape != ref.shape:
+        raise ValueError(f"shape mismatch: {tuple(out.shape)} vs {tuple(ref.shape)}")
+    if out.numel() == 0:
+        return 0.0, 0.0
+    o, r = out.double(), ref.double()
+    if not bool(torch.isfinite(o).all()):
+        return float("inf"), float("inf")
+    amax = r.abs().max()
+    if amax == 0:
+        err = (o - r).abs().max().item()
+        return err, err
+    mask = r.abs() > floor * amax
+    rel = ((o - r).abs() / r.abs())[mask]
+    return rel.mean().item(), rel.max().item()
+
+
+__all__ = ["ROUTINGS", "make_expert_weights", "make_hidden_states", "make_topk", "relative_errors"]

@@ -1,0 +1,1 @@
+"""Process-level runtime: distributed bootstrap and helpers to run ranks locally."""

@@ -1,0 +1,138 @@
+"""Input and weight validation shared by every backend.
+
+Every check raises before anything is written, so a rejected call leaves the layer usable. Checks of
+tensor *values* (id ranges, duplicates, finiteness) read the device and synchronize; the layer runs
+them only when asked to (``check_values``) and never during CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import MoEEpInputError
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    *,
+    shape: tuple[int | None, ...],
+    dtype: torch.dtype | tuple[torch.dtype, ...],
+    device: torch.device | None,
+    contiguous: bool = True,
+) -> torch.Tensor:
+    """Shape (``None`` = any extent), dtype, device and contiguity of one tensor."""
+    if not isinstance(t, torch.Tensor):
+        raise MoEEpInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape, strict=True)):
+        want_s = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise MoEEpInputError(f"{name} must have shape {want_s}, got {_describe(t)}")
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+    if t.dtype not in dtypes:
+        raise MoEEpInputError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {_describe(t)}")
+    if device is not None and not _same_device(t.device, device):
+        raise MoEEpInputError(f"{name} must be on {device}, got {_describe(t)}")
+    if contiguous and not t.is_contiguous():
+        raise MoEEpInputError(f"{name} must be contiguous (call .contiguous()), got strides {t.stride()}")
+    return t
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    if a.type == "cuda":
+        ia = a.index if a.index is not None else torch.cuda.current_device()
+        ib = b.index if b.index is not None else torch.cuda.current_device()
+        return ia == ib
+    return True
+
+
+def check_forward_inputs(
+    hidden_states: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    hidden_size: int,
+    top_k: int,
+    num_experts: int,
+    max_tokens: int,
+    device: torch.device,
+    output: torch.Tensor | None = None,
+    check_values: bool = True,
+) -> int:
+    """Validate one forward's inputs; returns T."""
+    check_tensor("hidden_states", hidden_states, shape=(None, hidden_size), dtype=torch.bfloat16, device=device)
+    t = hidden_states.shape[0]
+    if t > max_tokens:
+        raise MoEEpInputError(
+            f"hidden_states has T={t} tokens, above FleetParams.max_tokens_per_rank={max_tokens} "
+            "(the workspace capacity)"
+        )
+    check_tensor("topk_ids", topk_ids, shape=(t, top_k), dtype=torch.int32, device=device)
+    check_tensor("topk_weights", topk_weights, shape=(t, top_k), dtype=torch.float32, device=device)
+    if output is not None:
+        check_tensor("output", output, shape=(t, hidden_size), dtype=torch.bfloat16, device=device)
+        if output.data_ptr() == hidden_states.data_ptr() and t > 0:
+            raise MoEEpInputError("output must not alias hidden_states")
+    if check_values and t > 0 and not _capturing(device):
+        check_topk_values(topk_ids, topk_weights, num_experts)
+    return t
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def check_topk_values(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> None:
+    """Expert ids in range and distinct within each token; weights finite. Synchronizes the device."""
+    lo, hi = int(topk_ids.min()), int(topk_ids.max())
+    if lo < 0 or hi >= num_experts:
+        bad = lo if lo < 0 else hi
+        raise MoEEpInputError(f"topk_ids holds expert id {bad}, outside [0, {num_experts})")
+    if topk_ids.shape[1] > 1:
+        s = topk_ids.sort(dim=1).values
+        dup = (s[:, 1:] == s[:, :-1]).any(dim=1)
+        if bool(dup.any()):
+            row = int(dup.nonzero()[0, 0])
+            raise MoEEpInputError(f"topk_ids repeats an expert within token {row}: {topk_ids[row].tolist()}")
+    if not bool(torch.isfinite(topk_weights).all()):
+        raise MoEEpInputError("topk_weights holds a non-finite value")
+
+
+def check_finite(name: str, t: torch.Tensor) -> None:
+    """Reject NaN/Inf in a floating tensor (weights at load time)."""
+    if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+        raise MoEEpInputError(f"{name} holds a non-finite value (NaN or Inf); refusing to load it")
+
+
+def check_expert_weights(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    num_local_experts: int,
+    fc1_rows: int,
+    hidden_size: int,
+    intermediate_size: int,
+    dtype: torch.dtype | tuple[torch.dtype, ...],
+    device: torch.device,
+) -> None:
+    """BF16-style (unquantized) expert weights: shapes, dtype, device, contiguity, finiteness."""
+    check_tensor("weights.w13", w13, shape=(num_local_experts, fc1_rows, hidden_size), dtype=dtype, device=device)
+    check_tensor(
+        "weights.w2", w2, shape=(num_local_experts, hidden_size, intermediate_size), dtype=dtype, device=device
+    )
+    check_finite("weights.w13", w13)
+    check_finite("weights.w2", w2)
+
+
+__all__ = [
+    "check_expert_weights",
+    "check_finite",
+    "check_forward_inputs",
+    "check_tensor",
+    "check_topk_values",
+]

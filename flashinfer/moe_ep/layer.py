@@ -1,0 +1,112 @@
+"""The public layer: ``MoEEpLayer(...)`` builds a :class:`MoEEpMegaLayer` driving one mega backend."""
+
+from __future__ import annotations
+
+import torch
+
+from .backends.mega.base import MegaKernelBackend
+from .config import BootstrapConfig, FleetParams, MegaConfig, MoEEpTensors, MoEWeightPack
+from .core.validation import check_forward_inputs
+from .errors import MoEEpConfigError, MoEEpError, MoEEpInputError
+from .modes.mega.registry import create_mega_kernel
+
+
+class MoEEpMegaLayer:
+    """An expert-parallel MoE layer in mega mode: one backend does dispatch, expert MLPs and combine.
+
+    ``forward`` is collective at ``world_size > 1``: every rank of the EP group calls it (a rank with
+    zero tokens too). ``check_values`` makes each forward verify topk id ranges / duplicates and weight
+    finiteness, which synchronizes the device; it is skipped automatically during CUDA-graph capture.
+    """
+
+    def __init__(
+        self,
+        bootstrap: BootstrapConfig,
+        fleet_params: FleetParams,
+        weights: MoEWeightPack,
+        backend: MegaConfig,
+        *,
+        check_values: bool = True,
+    ) -> None:
+        for name, value, cls in (
+            ("bootstrap", bootstrap, BootstrapConfig),
+            ("fleet_params", fleet_params, FleetParams),
+            ("weights", weights, MoEWeightPack),
+            ("backend", backend, MegaConfig),
+        ):
+            if not isinstance(value, cls):
+                raise MoEEpConfigError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
+        self.bootstrap = bootstrap
+        self.fleet_params = fleet_params
+        self.config = backend.megakernel
+        self.device = bootstrap.resolved_device()
+        self.check_values = check_values
+        self._backend: MegaKernelBackend | None = create_mega_kernel(self.config, bootstrap, fleet_params, self.device)
+        try:
+            self._backend.preprocess_weights(weights)
+            self._backend.allocate_workspace()
+        except BaseException:
+            self._backend.destroy()
+            self._backend = None
+            raise
+
+    @property
+    def backend(self) -> MegaKernelBackend:
+        if self._backend is None:
+            raise MoEEpError("this MoEEpMegaLayer was destroyed")
+        return self._backend
+
+    @property
+    def kernel_name(self) -> str:
+        return self.config.kernel_name
+
+    def forward(self, tensors: MoEEpTensors, *, output: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the layer on this rank's tokens; returns ``[T, H]`` bf16 (``output`` if given)."""
+        backend = self.backend
+        if not isinstance(tensors, MoEEpTensors):
+            raise MoEEpInputError(f"forward takes a MoEEpTensors, got {type(tensors).__name__}")
+        c = self.config
+        t = check_forward_inputs(
+            tensors.hidden_states,
+            tensors.topk_ids,
+            tensors.topk_weights,
+            hidden_size=c.hidden_size,
+            top_k=c.top_k,
+            num_experts=c.num_experts,
+            max_tokens=self.fleet_params.max_tokens_per_rank,
+            device=self.device,
+            output=output,
+            check_values=self.check_values,
+        )
+        if output is None:
+            output = torch.empty(t, c.hidden_size, dtype=torch.bfloat16, device=self.device)
+        staged = backend.stage_inputs(tensors)
+        return backend.compute(staged, output)
+
+    __call__ = forward
+
+    def warmup(self) -> None:
+        """Compile or load kernels and run them once (call before serving and before graph capture)."""
+        self.backend.warmup()
+
+    def destroy(self) -> None:
+        """Release the backend's workspaces and kernels. Idempotent; the layer is unusable after it."""
+        if self._backend is not None:
+            self._backend.destroy()
+            self._backend = None
+
+
+def MoEEpLayer(  # noqa: N802  (a factory named like the class it stands for, as in FlashInfer)
+    bootstrap: BootstrapConfig,
+    fleet_params: FleetParams,
+    weights: MoEWeightPack,
+    backend: MegaConfig,
+    **kwargs: object,
+) -> MoEEpMegaLayer:
+    """Build the EP MoE layer for ``backend``. Only the mega mode exists: returns a :class:`MoEEpMegaLayer`."""
+    if not isinstance(backend, MegaConfig):
+        raise MoEEpConfigError(f"backend must be a MegaConfig(megakernel=...), got {type(backend).__name__}")
+    return MoEEpMegaLayer(bootstrap, fleet_params, weights, backend, **kwargs)  # type: ignore[arg-type]
+
+
+__all__ = ["MoEEpLayer", "MoEEpMegaLayer"]

@@ -1,0 +1,139 @@
+"""The public layer on the reference backend: results, validation errors, recovery after a rejection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashinfer.moe_ep as moe
+from flashinfer.moe_ep.core.inputs import make_expert_weights, make_hidden_states, make_topk
+from flashinfer.moe_ep.core.reference import moe_reference
+from flashinfer.moe_ep.errors import MoEEpConfigError, MoEEpError, MoEEpInputError
+
+E, H, I, K, TMAX = 8, 64, 32, 2, 16
+
+
+def _layer(w13, w2, act="swiglu", **kw):
+    return moe.MoEEpLayer(
+        moe.BootstrapConfig(device="cpu"),
+        moe.FleetParams(E, TMAX, H),
+        moe.MoEWeightPack(w13, w2),
+        backend=moe.MegaConfig(moe.ReferenceMegaMoeConfig(H, I, E, K, act)),
+        **kw,
+    )
+
+
+@pytest.fixture
+def setup(gen):
+    w13, w2 = make_expert_weights(E, H, I, generator=gen)
+    return _layer(w13, w2), w13, w2
+
+
+def _inputs(t, gen, routing="uniform"):
+    x = make_hidden_states(t, H, generator=gen)
+    ids, w = make_topk(t, E, K, routing=routing, generator=gen)
+    return moe.MoEEpTensors(x, ids, w)
+
+
+@pytest.mark.parametrize("t", [0, 1, 7, TMAX])
+def test_forward_matches_reference_and_writes_output(setup, gen, t) -> None:
+    layer, w13, w2 = setup
+    inp = _inputs(t, gen)
+    out = torch.full((t, H), float("nan"), dtype=torch.bfloat16)
+    got = layer.forward(inp, output=out)
+    assert got.data_ptr() == out.data_ptr()
+    want = moe_reference(inp.hidden_states, inp.topk_ids, inp.topk_weights, w13, w2)
+    assert torch.equal(got, want)
+
+
+def _bad_cases(gen):
+    good = _inputs(4, gen)
+    x, ids, w = good.hidden_states, good.topk_ids, good.topk_weights
+    dup = ids.clone()
+    dup[1, 1] = dup[1, 0]
+    return {
+        "hidden_states must have shape": moe.MoEEpTensors(x[:, :-1].contiguous(), ids, w),
+        "hidden_states must have dtype": moe.MoEEpTensors(x.float(), ids, w),
+        "topk_ids must have dtype": moe.MoEEpTensors(x, ids.long(), w),
+        "topk_weights must have shape": moe.MoEEpTensors(x, ids, w[:3]),
+        "must be contiguous": moe.MoEEpTensors(x.t().contiguous().t(), ids, w),
+        "outside \\[0, 8\\)": moe.MoEEpTensors(x, ids.masked_fill(ids == ids[0, 0], 8), w),
+        "repeats an expert within token 1": moe.MoEEpTensors(x, dup, w),
+        "non-finite": moe.MoEEpTensors(x, ids, w.masked_fill(w == w[0, 0], float("inf"))),
+        "above FleetParams.max_tokens_per_rank": _inputs(TMAX + 1, gen),
+    }
+
+
+def test_bad_inputs_raise_and_leave_the_layer_usable(setup, gen) -> None:
+    layer, w13, w2 = setup
+    for message, bad in _bad_cases(gen).items():
+        with pytest.raises(MoEEpInputError, match=message):
+            layer.forward(bad)
+        good = _inputs(5, gen)
+        want = moe_reference(good.hidden_states, good.topk_ids, good.topk_weights, w13, w2)
+        assert torch.equal(layer.forward(good), want), f"layer broken after rejecting: {message}"
+
+
+def test_bad_output_buffer(setup, gen) -> None:
+    layer, _, _ = setup
+    inp = _inputs(3, gen)
+    with pytest.raises(MoEEpInputError, match="output must have shape"):
+        layer.forward(inp, output=torch.empty(4, H, dtype=torch.bfloat16))
+    with pytest.raises(MoEEpInputError, match="output must have dtype"):
+        layer.forward(inp, output=torch.empty(3, H))
+
+
+def test_weight_validation(gen) -> None:
+    w13, w2 = make_expert_weights(E, H, I, generator=gen)
+    with pytest.raises(MoEEpInputError, match="weights.w13 must have shape"):
+        _layer(w13[:, :I].contiguous(), w2)
+    with pytest.raises(MoEEpInputError, match="weights.w2 must have shape"):
+        _layer(w13, w2.transpose(1, 2).contiguous())
+    bad = w13.clone()
+    bad[3, 2, 1] = float("nan")
+    with pytest.raises(MoEEpInputError, match="non-finite"):
+        _layer(bad, w2)
+    with pytest.raises(MoEEpInputError, match="takes unquantized weights"):
+        moe.MoEEpLayer(
+            moe.BootstrapConfig(device="cpu"),
+            moe.FleetParams(E, TMAX, H),
+            moe.MoEWeightPack(w13, w2, w13_scale=torch.ones(1)),
+            backend=moe.MegaConfig(moe.ReferenceMegaMoeConfig(H, I, E, K)),
+        )
+    # relu2 takes I rows, not 2I
+    w13r, w2r = make_expert_weights(E, H, I, "relu2", generator=gen)
+    _layer(w13r, w2r, act="relu2")
+    with pytest.raises(MoEEpInputError, match="weights.w13 must have shape"):
+        _layer(w13, w2, act="relu2")
+
+
+def test_config_validation(gen) -> None:
+    w13, w2 = make_expert_weights(E, H, I, generator=gen)
+    with pytest.raises(MoEEpConfigError, match="top_k=9 exceeds"):
+        moe.ReferenceMegaMoeConfig(H, I, E, 9)
+    with pytest.raises(MoEEpConfigError, match="hidden_size=64 differs"):
+        moe.MoEEpLayer(
+            moe.BootstrapConfig(device="cpu"),
+            moe.FleetParams(E, TMAX, 128),
+            moe.MoEWeightPack(w13, w2),
+            backend=moe.MegaConfig(moe.ReferenceMegaMoeConfig(H, I, E, K)),
+        )
+    with pytest.raises(MoEEpConfigError, match="rank must be in"):
+        moe.BootstrapConfig(world_size=2, rank=2)
+    with pytest.raises(MoEEpConfigError, match="needs torch.distributed initialized"):
+        moe.MoEEpLayer(
+            moe.BootstrapConfig(world_size=2, rank=0, device="cpu"),
+            moe.FleetParams(E, TMAX, H),
+            moe.MoEWeightPack(w13[:4].contiguous(), w2[:4].contiguous()),
+            backend=moe.MegaConfig(moe.ReferenceMegaMoeConfig(H, I, E, K)),
+        )
+    with pytest.raises(MoEEpConfigError, match="must be a backend config"):
+        moe.MegaConfig(megakernel="reference")
+
+
+def test_destroy(setup, gen) -> None:
+    layer, _, _ = setup
+    layer.destroy()
+    layer.destroy()  # idempotent
+    with pytest.raises(MoEEpError, match="destroyed"):
+        layer.forward(_inputs(2, gen))
