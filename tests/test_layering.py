@@ -24,8 +24,7 @@ FIXTURE = {
     "modes/m.py": "from flashinfer.moe_ep.kernel_src.d1 import helper  # drop-only-from-backends\n",
     "cli/__init__.py": "",
     "cli/c.py": (
-        "import importlib\n"
-        "importlib.import_module('flashinfer.moe_ep.kernel_src.d1')  # drop-only-from-backends\n"
+        "import importlib\nimportlib.import_module('flashinfer.moe_ep.kernel_src.d1')  # drop-only-from-backends\n"
     ),
     "backends/__init__.py": "",
     "backends/ok.py": (
@@ -40,8 +39,7 @@ FIXTURE = {
         "from flashinfer.moe_ep.kernel_src.d1 import shim  # shim-private\n"
     ),
     "backends/up.py": (
-        "from ..layer import MoEEpLayer  # backends-below-layer\n"
-        "from ..modes import m  # backends-below-layer\n"
+        "from ..layer import MoEEpLayer  # backends-below-layer\nfrom ..modes import m  # backends-below-layer\n"
     ),
     "kernel_src/__init__.py": "",
     "kernel_src/d1/__init__.py": "from .shim import kernel_helpers  # ok\n",

@@ -18,6 +18,7 @@ Importing this package initializes no CUDA context and imports no cutlass, nvshm
 
 from __future__ import annotations
 
+from .backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl import Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig
 from .backends.mega.reference import ReferenceMegaMoeConfig
 from .config import BootstrapConfig, FleetParams, MegaConfig, MegaKernelConfig, MoEEpTensors, MoEWeightPack
 from .core.contracts import CONTRACTS, ModelContract, get_contract
@@ -50,6 +51,7 @@ __all__ = [
     "MoEEpTransportError",
     "MoEWeightPack",
     "ReferenceMegaMoeConfig",
+    "Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig",
     "create_mega_kernel",
     "get_contract",
     "register_mega_kernel",

@@ -37,8 +37,9 @@ def test_matches_brute_force(act, limit, routing, gen) -> None:
 
 def test_zero_tokens() -> None:
     w13, w2 = make_expert_weights(4, 16, 8)
-    out = moe_reference(torch.empty(0, 16, dtype=torch.bfloat16), torch.empty(0, 2, dtype=torch.int32),
-                        torch.empty(0, 2), w13, w2)
+    out = moe_reference(
+        torch.empty(0, 16, dtype=torch.bfloat16), torch.empty(0, 2, dtype=torch.int32), torch.empty(0, 2), w13, w2
+    )
     assert out.shape == (0, 16) and out.dtype == torch.bfloat16
 
 

@@ -35,6 +35,13 @@ _PKG = "flashinfer.moe_ep.backends.mega"
 
 CATALOG: tuple[BackendEntry, ...] = (
     BackendEntry(
+        "sm90_bf16_bf16_bf16_cutedsl",
+        f"{_PKG}.kernel.sm90.bf16_bf16_bf16_cutedsl.config:Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig",
+        f"{_PKG}.kernel.sm90.bf16_bf16_bf16_cutedsl.backend:Sm90Bf16CutedslBackend",
+        "bf16",
+        "Hopper BF16 MegaMoE kernels in CuTe DSL (routing, gather, FC1+act, FC2, combine), world size 1",
+    ),
+    BackendEntry(
         "reference",
         f"{_PKG}.reference.config:ReferenceMegaMoeConfig",
         f"{_PKG}.reference.backend:ReferenceMegaMoeBackend",

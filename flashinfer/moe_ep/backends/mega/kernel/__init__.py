@@ -1,0 +1,1 @@
+"""Kernel backends of the mega mode, per GPU architecture."""

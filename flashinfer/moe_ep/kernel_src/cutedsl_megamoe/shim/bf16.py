@@ -1,0 +1,106 @@
+"""BF16 frontend: ``Sm90MegaMoEBf16Kernel`` (world size 1) through the shared frontend core."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import kernel_helpers as kh
+from .frontend import Geometry, KernelFrontend
+
+
+@dataclass(frozen=True)
+class Bf16Knobs:
+    """Compile-time knobs of the BF16 kernel (all output-neutral: tiles, stages, persistent grid)."""
+
+    tile_m: int = 128
+    fc1_tile_n: int = 128
+    fc2_tile_n: int = 128
+    fc1_stages: int | None = None
+    fc2_stages: int | None = None
+    num_sms: int = 132
+
+
+def default_bf16_knobs(geometry: Geometry) -> Bf16Knobs:
+    """The widest N tiles that divide the problem (128, else 64); other knobs at their defaults."""
+    gated = geometry.activation in kh.constants.GATED_ACTIVATIONS
+    fc1_n = 2 * geometry.intermediate if gated else geometry.intermediate
+    return Bf16Knobs(
+        fc1_tile_n=128 if fc1_n % 128 == 0 else 64,
+        fc2_tile_n=128 if geometry.hidden % 128 == 0 else 64,
+    )
+
+
+class Bf16Frontend(KernelFrontend):
+    kernel_family = "moe_bf16_glu"
+
+    def __init__(self, geometry: Geometry, knobs: Bf16Knobs | None = None, **kw: Any) -> None:
+        super().__init__(geometry, knobs or default_bf16_knobs(geometry), **kw)
+
+    @property
+    def gated(self) -> bool:
+        return self.geometry.activation in kh.constants.GATED_ACTIVATIONS
+
+    def check(self) -> None:
+        g, k, c = self.geometry, self.knobs, kh.constants
+        if g.activation not in c.ACTIVATIONS:
+            raise ValueError(f"activation {g.activation!r} is not served by the BF16 kernel")
+        if g.num_experts > c.MAX_EXPERTS:
+            raise ValueError(f"the BF16 kernel serves at most {c.MAX_EXPERTS} experts per rank, got {g.num_experts}")
+        if g.hidden % c.TILE_K or g.intermediate % c.TILE_K:
+            raise ValueError(f"the BF16 kernel needs hidden and intermediate sizes that are multiples of {c.TILE_K}")
+        fc1_n = 2 * g.intermediate if self.gated else g.intermediate
+        if fc1_n % k.fc1_tile_n or g.hidden % k.fc2_tile_n:
+            raise ValueError(
+                f"FC1 N={fc1_n} must be a multiple of fc1_tile_n={k.fc1_tile_n} and "
+                f"hidden={g.hidden} of fc2_tile_n={k.fc2_tile_n}"
+            )
+        if k.tile_m not in (64, 128):
+            raise ValueError(f"tile_m must be 64 or 128, got {k.tile_m}")
+
+    def _export(self, out_dir: Path, function_name: str) -> Path:
+        g, k = self.geometry, self.knobs
+        kernel = kh.Sm90MegaMoEBf16Kernel(
+            activation=g.activation,
+            limit=g.activation_limit,
+            tile_m=k.tile_m,
+            fc1_tile_n=k.fc1_tile_n,
+            fc2_tile_n=k.fc2_tile_n,
+            num_sms=k.num_sms,
+            fc1_stages=k.fc1_stages,
+            fc2_stages=k.fc2_stages,
+        )
+        return kh.export_moe_bf16(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)
+
+    def workspace_spec(self, max_tokens: int) -> list[Any]:
+        g = self.geometry
+        return kh.moe_bf16_workspace_spec(
+            max_tokens, g.hidden, g.intermediate, g.num_experts, g.top_k, self.knobs.tile_m
+        )
+
+    def prepare_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Natural layouts in (``w13`` gate rows then up rows) -> the kernel's layouts."""
+        if self.gated:
+            w13 = kh.interleave_gate_up(w13, self.knobs.fc1_tile_n)
+        return w13.contiguous(), w2.contiguous()
+
+    def launch(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        out: torch.Tensor,
+        workspace: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """Enqueue the whole layer on the current torch stream (no host sync)."""
+        fn = self.load()
+        fn(x, topk_ids, topk_weights, w13, w2, out, *workspace.values())
+        return out
+
+
+__all__ = ["Bf16Frontend", "Bf16Knobs", "default_bf16_knobs"]

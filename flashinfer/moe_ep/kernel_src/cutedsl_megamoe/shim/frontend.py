@@ -1,0 +1,158 @@
+"""The frontend core shared by every dtype: config -> compile/export -> cache -> load -> launch.
+
+A dtype frontend (``bf16.py``, later ``mxfp8.py``, ``nvfp4.py``) says only what differs: how to
+construct its kernel from knobs, how to export it, its workspace, its weight layout and its argument
+order. Everything else (cache keys, building on a CPU-only machine, loading without cutlass, workspace
+allocation, errors that name the fix) lives here once.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from . import kernel_cache
+from .kernel_cache import KernelKey
+from .vendor import read_vendor
+
+ARCH = "sm_90a"
+_DTYPES = {"int32": torch.int32, "bfloat16": torch.bfloat16, "float32": torch.float32, "uint8": torch.uint8}
+
+
+class KernelUnavailableError(RuntimeError):
+    """No cached library for a key and no CuTe DSL compiler to build one (the message says how)."""
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The static problem a library is compiled for (T stays symbolic)."""
+
+    hidden: int
+    intermediate: int
+    num_experts: int  # experts on this rank
+    top_k: int
+    activation: str
+    activation_limit: float | None
+
+
+def dsl_available() -> bool:
+    return importlib.util.find_spec("cutlass") is not None
+
+
+def tvm_ffi_available() -> bool:
+    return importlib.util.find_spec("tvm_ffi") is not None
+
+
+def prepare_compile_env(arch: str = ARCH) -> None:
+    """Let cutlass target ``arch`` without a GPU. Must run before cutlass is first imported."""
+    if "cutlass" not in sys.modules:
+        os.environ.setdefault("CUTE_DSL_ARCH", arch)
+
+
+class KernelFrontend(abc.ABC):
+    kernel_family: ClassVar[str]
+
+    def __init__(self, geometry: Geometry, knobs: Any, *, arch: str = ARCH) -> None:
+        self.geometry = geometry
+        self.knobs = knobs
+        self.arch = arch
+        self._fn: Callable[..., Any] | None = None
+
+    # -- what a dtype frontend provides -------------------------------------------------------------
+    @abc.abstractmethod
+    def check(self) -> None:
+        """Raise ValueError when geometry and knobs cannot be served (no cutlass needed)."""
+
+    @abc.abstractmethod
+    def _export(self, out_dir: Path, function_name: str) -> Path:
+        """Compile and export the library into ``out_dir`` (imports cutlass)."""
+
+    @abc.abstractmethod
+    def workspace_spec(self, max_tokens: int) -> list[Any]:
+        """``BufferSpec``s (name, shape, dtype name) in call order."""
+
+    # -- shared -------------------------------------------------------------------------------------
+    @property
+    def key(self) -> KernelKey:
+        record = read_vendor()
+        knobs = asdict(self.knobs) if hasattr(self.knobs, "__dataclass_fields__") else dict(self.knobs)
+        return KernelKey(
+            kernel=self.kernel_family,
+            drop_version=record.version,
+            dsl_version=record.dsl_version,
+            arch=self.arch,
+            geometry=asdict(self.geometry),
+            knobs=knobs,
+        )
+
+    def build(self, root: Path | None = None, *, force: bool = False) -> Path:
+        """Compile and export into the cache (no GPU needed); returns the library path."""
+        self.check()
+        key = self.key
+        if not force and (lib := kernel_cache.lookup(key, root)) is not None:
+            return lib
+        if not dsl_available():
+            raise KernelUnavailableError(
+                "building a kernel needs the CuTe DSL compiler: pip install 'flashinfer-moe-ep[kernels]'"
+            )
+        prepare_compile_env(self.arch)
+        return kernel_cache.store(key, self._export, root)
+
+    def load(self, root: Path | None = None, *, allow_compile: bool = True) -> Callable[..., Any]:
+        """The launch function: from the cache, else compiled now when CuTe DSL is importable."""
+        if self._fn is not None:
+            return self._fn
+        self.check()
+        key = self.key
+        lib = kernel_cache.lookup(key, root)
+        if lib is None:
+            if not (allow_compile and dsl_available()):
+                raise KernelUnavailableError(
+                    f"no cached kernel {key.dirname} in {root or kernel_cache.cache_root()} and no CuTe DSL "
+                    "compiler here. Build it on any machine (a GPU is not needed) with\n"
+                    f"  {self.build_command()}\nand copy that cache directory here (or point "
+                    f"{kernel_cache.CACHE_ENV} at it)."
+                )
+            lib = self.build(root)
+        if not tvm_ffi_available():
+            raise KernelUnavailableError("loading a kernel needs TVM-FFI: pip install apache-tvm-ffi")
+        self._fn = kernel_cache.load_function(lib, key.function_name)
+        return self._fn
+
+    def build_command(self) -> str:
+        g = self.geometry
+        cmd = (
+            f"CUTE_DSL_ARCH={self.arch} python -m flashinfer.moe_ep build --arch {self.arch} "
+            f"--hidden {g.hidden} --intermediate {g.intermediate} --experts {g.num_experts} --top-k {g.top_k} "
+            f"--activation {g.activation}"
+        )
+        if g.activation_limit is not None:
+            cmd += f" --activation-limit {g.activation_limit}"
+        return cmd
+
+    def allocate_workspace(self, max_tokens: int, device: torch.device) -> dict[str, torch.Tensor]:
+        return {
+            spec.name: torch.empty(spec.shape, dtype=_DTYPES[spec.dtype], device=device)
+            for spec in self.workspace_spec(max_tokens)
+        }
+
+    @staticmethod
+    def workspace_bytes(specs: list[Any]) -> int:
+        n = 0
+        for spec in specs:
+            count = 1
+            for s in spec.shape:
+                count *= s
+            n += count * torch.tensor([], dtype=_DTYPES[spec.dtype]).element_size()
+        return n
+
+
+__all__ = ["ARCH", "Geometry", "KernelFrontend", "KernelUnavailableError", "dsl_available", "prepare_compile_env"]

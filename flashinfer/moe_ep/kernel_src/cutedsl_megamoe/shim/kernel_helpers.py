@@ -1,0 +1,77 @@
+"""The single re-export point for what backends and tests take from the drop's ``src/``.
+
+``SRC_SYMBOLS`` is the contract with the kernel team, in one table: every symbol the shim takes from
+``src/``, where it lives, which shim files depend on it, whether importing it needs cutlass
+(``heavy``), and for kernel classes the constructor keywords and ``__call__`` parameters the shim
+passes. ``shim/audit.py`` checks a candidate drop against this table. Names resolve lazily through
+module ``__getattr__``, so importing this module (and the drop package) never imports cutlass.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from ._paths import src_module
+
+
+class SrcSymbol(NamedTuple):
+    module: str  # module under src/, dotted
+    attr: str  # "" = the module itself
+    heavy: bool  # importing it imports cutlass (needs the CuTe DSL compiler)
+    used_by: tuple[str, ...]  # shim files that depend on it
+    init_params: tuple[str, ...] | None = None  # keywords the shim passes to the constructor
+    call_params: tuple[str, ...] | None = None  # positional parameters of __call__, in order
+
+
+BF16_KERNEL_CALL = (
+    "x", "topk_ids", "topk_weights", "w13", "w2", "out",
+    "pair_row", "row_token", "m_block_expert", "meta", "a_buf", "h_buf", "stream",
+)  # fmt: skip
+
+SRC_SYMBOLS: dict[str, SrcSymbol] = {
+    # constants and host utilities (torch / stdlib only)
+    "constants": SrcSymbol("common.constants", "", False, ("shim/bf16.py",)),
+    "BufferSpec": SrcSymbol("common.host_utils", "BufferSpec", False, ("shim/frontend.py",)),
+    "moe_bf16_workspace_spec": SrcSymbol("common.host_utils", "moe_bf16_workspace_spec", False, ("shim/bf16.py",)),
+    "interleave_gate_up": SrcSymbol("moe_bf16_glu.weights", "interleave_gate_up", False, ("shim/bf16.py",)),
+    "deinterleave_gate_up": SrcSymbol("moe_bf16_glu.weights", "deinterleave_gate_up", False, ("tests",)),
+    # the drop's own torch reference
+    "drop_reference_moe_bf16": SrcSymbol("moe_bf16_glu.reference", "moe_bf16_reference", False, ("tests",)),
+    # kernels and their AOT export (import cutlass)
+    "Sm90MegaMoEBf16Kernel": SrcSymbol(
+        "moe_bf16_glu.kernel",
+        "Sm90MegaMoEBf16Kernel",
+        True,
+        ("shim/bf16.py",),
+        init_params=(
+            "activation",
+            "limit",
+            "tile_m",
+            "fc1_tile_n",
+            "fc2_tile_n",
+            "num_sms",
+            "fc1_stages",
+            "fc2_stages",
+        ),
+        call_params=BF16_KERNEL_CALL,
+    ),
+    "export_moe_bf16": SrcSymbol("moe_bf16_glu.export", "export_moe_bf16", True, ("shim/bf16.py",)),
+}
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        sym = SRC_SYMBOLS[name]
+    except KeyError:
+        raise AttributeError(f"kernel_helpers has no {name!r}") from None
+    module = src_module(sym.module)
+    value = getattr(module, sym.attr) if sym.attr else module
+    globals()[name] = value  # resolve once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *SRC_SYMBOLS])
+
+
+__all__ = ["BF16_KERNEL_CALL", "SRC_SYMBOLS", "SrcSymbol"]

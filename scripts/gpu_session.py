@@ -1,0 +1,72 @@
+#!/usr/bin/env python3
+"""One GPU session in two halves, so device time is spent only on running.
+
+Here (any machine, no GPU needed):   python scripts/gpu_session.py build [--cache .kcache]
+    compiles every kernel variant the GPU tests and the benchmark use into the kernel cache.
+There (the H200, through the device tool, carrying .gpu and .kcache):
+    source .gpu/env.sh && python scripts/gpu_session.py run [--bench-tokens ...] 2>&1 | tee $OUT/log
+    runs the GPU tests, then the benchmark, and prints the benchmark table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+BENCH_CONTRACTS = ["qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3"]
+
+
+def build(cache: Path) -> int:
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    import flashinfer.moe_ep as moe
+    from flashinfer.moe_ep.backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl.backend import make_frontend
+    from flashinfer.moe_ep.core.contracts import get_contract
+    from tests.backends.mega.kernel.sm90.test_bf16_gpu import GPU_VARIANTS
+
+    variants = list(GPU_VARIANTS)
+    for name in BENCH_CONTRACTS:
+        c = get_contract(name)
+        variants.append((name, moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
+            c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit)))  # fmt: skip
+    for i, (name, cfg) in enumerate(variants, 1):
+        t0 = time.perf_counter()
+        lib = make_frontend(cfg, cfg.num_experts).build(cache)
+        print(f"[{i}/{len(variants)}] {name}: {lib.name} ({time.perf_counter() - t0:.1f} s)", flush=True)
+    size = sum(p.stat().st_size for p in cache.rglob("*") if p.is_file())
+    print(f"kernel cache {cache}: {size / 2**20:.1f} MiB")
+    return 0
+
+
+def run(cache: Path, bench_tokens: list[str], out: Path, skip_tests: bool) -> int:
+    env = {**os.environ, "FLASHINFER_MOE_EP_KERNEL_CACHE": str(cache)}
+    status = 0
+    if not skip_tests:
+        t0 = time.perf_counter()
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-x", "tests"], env=env, cwd=ROOT)
+        print(f"gpu tests: exit {r.returncode} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        status = r.returncode
+    cmd = [sys.executable, "-m", "flashinfer.moe_ep", "bench", "--contract", *BENCH_CONTRACTS,
+           "--tokens", *bench_tokens, "--out", str(out)]  # fmt: skip
+    r = subprocess.run(cmd, env=env, cwd=ROOT)
+    return status or r.returncode
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=["build", "run"])
+    p.add_argument("--cache", type=Path, default=ROOT / ".kcache")
+    p.add_argument("--bench-tokens", nargs="+", default=["1", "16", "128", "1024", "4096", "16384"])
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "bench-out")))
+    p.add_argument("--skip-tests", action="store_true")
+    a = p.parse_args()
+    return build(a.cache) if a.what == "build" else run(a.cache, a.bench_tokens, a.out, a.skip_tests)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

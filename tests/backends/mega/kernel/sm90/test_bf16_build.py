@@ -1,0 +1,84 @@
+"""AOT kernel cache on the CPU: every default variant compiles and exports for sm_90a; cache keys,
+atomic publishing under concurrent builders, and the error when neither cache nor compiler is there."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flashinfer.moe_ep.backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl.backend import make_frontend
+from flashinfer.moe_ep.cli import main as cli_main
+from flashinfer.moe_ep.core.contracts import CONTRACTS
+from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
+from flashinfer.moe_ep.kernel_src.cutedsl_megamoe.shim import frontend as frontend_mod
+from flashinfer.moe_ep.kernel_src.cutedsl_megamoe.shim import kernel_cache
+
+pytestmark = pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")
+
+
+def _frontend(name: str = "tiny", **knobs):
+    import flashinfer.moe_ep as moe
+
+    c = CONTRACTS[name]
+    cfg = moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
+        c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit, knobs or None
+    )
+    return make_frontend(cfg, c.num_experts)
+
+
+def test_build_every_default_variant_for_sm90a(tmp_path: Path, capsys) -> None:
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    assert cli_main(["build", "--contract", "all", "--cache", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"[{len(CONTRACTS)}/{len(CONTRACTS)}]" in out
+    keys = kernel_cache.entries(tmp_path)
+    assert len(keys) == len(CONTRACTS)
+    for name in CONTRACTS:
+        lib = kernel_cache.lookup(_frontend(name).key, tmp_path)
+        assert lib is not None and lib.stat().st_size > 10_000
+        assert b"__tvm_ffi_" in lib.read_bytes()  # the exported TVM-FFI symbol
+
+
+def test_key_covers_versions_geometry_and_knobs(tmp_path: Path, monkeypatch) -> None:
+    base = _frontend()
+    assert base.key.digest() != _frontend(tile_m=64).key.digest()
+    assert base.key.digest() != _frontend("qwen3-30b-a3b").key.digest()
+    lib = base.build(tmp_path)
+    assert kernel_cache.lookup(base.key, tmp_path) == lib
+    record = drop.read_vendor()
+    for field, value in (("version", "v999"), ("dsl_version", "9.9.9")):
+        changed = type(record)(**{**record.__dict__, field: value})
+        monkeypatch.setattr(frontend_mod, "read_vendor", lambda changed=changed: changed)
+        assert kernel_cache.lookup(_frontend().key, tmp_path) is None, f"a cache hit across a {field} change"
+
+
+def test_missing_kernel_without_compiler_names_the_build_command(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(frontend_mod, "dsl_available", lambda: False)
+    with pytest.raises(drop.KernelUnavailableError, match="python -m flashinfer.moe_ep build --arch sm_90a"):
+        _frontend().load(tmp_path)
+
+
+BUILD_ONE = """
+import sys
+from tests.backends.mega.kernel.sm90.test_bf16_build import _frontend
+print(_frontend().build(__import__('pathlib').Path(sys.argv[1]), force=True))
+"""
+
+
+def test_concurrent_builders_publish_one_complete_entry(tmp_path: Path) -> None:
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "PYTHONPATH": str(Path(__file__).resolve().parents[5])}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", BUILD_ONE, str(tmp_path)], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=300)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert len(set(outs)) == 1  # both return the one published library
+    entries = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
+    assert len(entries) == 1 and not [p for p in tmp_path.iterdir() if p.name.startswith(".build-")]
+    assert json.loads((entries[0] / "key.json").read_text()) == _frontend().key.as_dict()
