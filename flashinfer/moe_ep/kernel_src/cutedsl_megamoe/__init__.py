@@ -6,7 +6,7 @@ cutlass (kernels are compiled or loaded only when a frontend asks for them).
 
 from __future__ import annotations
 
-from .shim import kernel_cache, kernel_helpers
+from .shim import comm, kernel_cache, kernel_helpers
 from .shim._paths import SRC_DIR
 from .shim.audit import audit_src
 from .shim.bf16 import Bf16Frontend, Bf16Knobs, default_bf16_knobs
@@ -24,6 +24,7 @@ __all__ = [
     "audit_src",
     "KernelUnavailableError",
     "check_manifest",
+    "comm",
     "default_bf16_knobs",
     "dsl_available",
     "kernel_cache",

@@ -35,6 +35,13 @@ SRC_SYMBOLS: dict[str, SrcSymbol] = {
     "moe_bf16_workspace_spec": SrcSymbol("common.host_utils", "moe_bf16_workspace_spec", False, ("shim/bf16.py",)),
     "interleave_gate_up": SrcSymbol("moe_bf16_glu.weights", "interleave_gate_up", False, ("shim/bf16.py",)),
     "deinterleave_gate_up": SrcSymbol("moe_bf16_glu.weights", "deinterleave_gate_up", False, ("tests",)),
+    # symmetric buffers (torch only; nvshmem4py imported inside the NVSHMEM provider)
+    "SymBufferSpec": SrcSymbol("src.symm_buffers", "SymBufferSpec", False, ("shim/comm.py",)),
+    "SymBufferHost": SrcSymbol("src.symm_buffers", "SymBufferHost", False, ("shim/comm.py",)),
+    "DeviceMemoryProvider": SrcSymbol("src.symm_buffers", "DeviceMemoryProvider", False, ("shim/comm.py",)),
+    "NvshmemProvider": SrcSymbol("src.symm_buffers", "NvshmemProvider", False, ("shim/comm.py",)),
+    "LoopbackGroup": SrcSymbol("src.symm_buffers", "LoopbackGroup", False, ("shim/comm.py",)),
+    "arena_bytes": SrcSymbol("src.symm_buffers", "arena_bytes", False, ("shim/comm.py",)),
     # the drop's own torch reference
     "drop_reference_moe_bf16": SrcSymbol("moe_bf16_glu.reference", "moe_bf16_reference", False, ("tests",)),
     # kernels and their AOT export (import cutlass)

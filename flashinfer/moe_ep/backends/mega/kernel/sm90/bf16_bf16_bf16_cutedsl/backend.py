@@ -78,8 +78,17 @@ class Sm90Bf16CutedslBackend(MegaKernelBackend):
         self.w13, self.w2 = self.frontend.prepare_weights(weights.w13, weights.w2)
 
     def allocate_workspace(self) -> None:
-        with torch.cuda.device(self.device):
-            self.workspace = self.frontend.allocate_workspace(self.fleet.max_tokens_per_rank, self.device)
+        """One workspace per (kernel variant, capacity, device), shared by every layer that matches."""
+        from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import comm
+
+        cap = self.fleet.max_tokens_per_rank
+        self._workspace_key = (self.frontend.key.digest(), cap, str(self.device))
+
+        def make() -> dict[str, torch.Tensor]:
+            with torch.cuda.device(self.device):
+                return self.frontend.allocate_workspace(cap, self.device)
+
+        self.workspace = comm.WORKSPACES.acquire(self._workspace_key, make)
 
     def _load(self) -> None:
         from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import KernelUnavailableError
@@ -109,7 +118,11 @@ class Sm90Bf16CutedslBackend(MegaKernelBackend):
         )
 
     def destroy(self) -> None:
+        from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import comm
+
         self.w13 = self.w2 = None
+        if self.workspace:
+            comm.WORKSPACES.release(self._workspace_key)
         self.workspace = {}
 
 
