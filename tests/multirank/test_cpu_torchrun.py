@@ -1,0 +1,27 @@
+"""Runs the torchrun suite at world 2 on the CPU (gloo) from the normal test command, so the multi-rank
+tests themselves are exercised in CI; on GPUs they run under torchrun directly (see SKILL.md)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif("RANK" in os.environ, reason="already inside torchrun")
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+def test_torchrun_world_two_on_cpu() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES",)}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks over gloo, whatever this machine has
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "pytest", "-q", "-p",
+           "no:cacheprovider", "tests/multirank/test_torchrun.py"]  # fmt: skip
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert r.stdout.count("3 passed") == 2, r.stdout[-2000:]
