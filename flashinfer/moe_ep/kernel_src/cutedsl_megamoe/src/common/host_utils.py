@@ -1,0 +1,67 @@
+"""Host-side helpers: workspace sizing for the BF16 MoE kernel (pure Python, no device code)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """One workspace buffer: name, shape and torch dtype name ("int32", "bfloat16", ...)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def max_rows(max_tokens: int, top_k: int, num_experts: int, tile_m: int, cluster_m: int = 1) -> int:
+    """Rows of the permuted buffers: every pair plus the padding of each non-empty expert (to a
+    multiple of tile_m * cluster_m)."""
+    pairs = max(1, max_tokens) * top_k
+    pad = tile_m * cluster_m
+    return round_up(pairs + min(num_experts, pairs) * (pad - 1), pad)
+
+
+def moe_bf16_workspace_spec(
+    max_tokens: int,
+    hidden: int,
+    inter: int,
+    num_experts: int,
+    top_k: int,
+    tile_m: int,
+    num_sms: int = 132,
+    cluster_m: int = 1,
+) -> list[BufferSpec]:
+    """Workspace buffers of ``Sm90MegaMoEBf16Kernel.__call__``, in call order.
+
+    Allocate each once for the largest token count to serve (``max_tokens``); the same buffers
+    serve every T <= max_tokens. ``tile_m``, ``num_sms`` and ``cluster_m`` are the kernel's knobs. Only
+    ``expert_count`` needs initialization: zero it once at allocation (every call leaves it zero
+    again); the kernels write everything else before reading it.
+
+    - pair_row [max_tokens*K] int32: row of pair (t, k) at index t*K + k
+    - pair_rank [max_tokens*K] int32: rank of a pair inside its routing CTA's chunk
+    - expert_count [E+1] int32: ZERO-INITIALIZED ONCE; pairs per expert (+ a CTA done-counter)
+    - cta_base [num_sms, E] int32: first slot of each routing CTA inside each expert segment
+    - expert_off [E] int32: first row of each (padded) expert segment
+    - m_block_expert [M_cap/tile_m] int32: per M block, expert | (rows holding real pairs) << 16
+    - meta [4] int32: meta[0] = number of M blocks, meta[1] = number of rows (padded)
+    - a_buf [M_cap, H] bf16: gathered activations, then reused for the FC2 output
+    - h_buf [M_cap, I] bf16: FC1 output after the activation
+    """
+    m_cap = max_rows(max_tokens, top_k, num_experts, tile_m, cluster_m)
+    return [
+        BufferSpec("pair_row", (max(1, max_tokens) * top_k,), "int32"),
+        BufferSpec("pair_rank", (max(1, max_tokens) * top_k,), "int32"),
+        BufferSpec("expert_count", (num_experts + 1,), "int32"),
+        BufferSpec("cta_base", (num_sms, num_experts), "int32"),
+        BufferSpec("expert_off", (num_experts,), "int32"),
+        BufferSpec("m_block_expert", (m_cap // tile_m,), "int32"),
+        BufferSpec("meta", (4,), "int32"),
+        BufferSpec("a_buf", (m_cap, hidden), "bfloat16"),
+        BufferSpec("h_buf", (m_cap, inter), "bfloat16"),
+    ]

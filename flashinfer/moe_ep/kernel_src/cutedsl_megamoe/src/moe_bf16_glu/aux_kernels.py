@@ -1,0 +1,244 @@
+"""Routing, gather and combine kernels (the non-GEMM stages of the BF16 MoE).
+
+Row space: every (token, k) pair gets one row of the permuted activation buffer. Rows are grouped
+by expert (expert-major) and each expert's segment is padded to a multiple of ``tile_m``, so a
+GEMM M tile never straddles two experts. Padding rows hold stale data: the GEMMs compute them
+(rows are independent) and nothing reads their results.
+
+Routing scales with T: ``route_kernel`` (many CTAs: smem histograms, one global atomic per CTA
+and expert, the last CTA does the padded scan and the M-block map) and ``gather_kernel``, which
+turns each pair's in-CTA rank into its final row while it copies the token.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+
+from ..common import constants
+
+# meta[] slots written by the routing kernel.
+META_NUM_M_BLOCKS = 0
+META_NUM_ROWS = 1
+META_LEN = 4
+
+
+@cute.kernel
+def route_kernel(
+    topk_ids: cute.Tensor,  # (T, K) int32
+    pair_rank: cute.Tensor,  # (>= T*K,) int32 out: rank of the pair inside its CTA's chunk
+    expert_count: cute.Tensor,  # (E + 1,) int32: counts, then the CTA done-counter; zero on entry
+    cta_base: cute.Tensor,  # (G1, E) int32 out: this CTA's first slot inside each expert
+    expert_off: cute.Tensor,  # (E,) int32 out: first (padded) row of each expert segment
+    m_block_expert: cute.Tensor,  # (M_cap / tile_m,) int32 out: expert | real_rows << 16
+    meta: cute.Tensor,  # (META_LEN,) int32 out
+    num_experts: cutlass.Constexpr[int],
+    tile_m: cutlass.Constexpr[int],
+    pad_m: cutlass.Constexpr[int],
+):
+    """Routing in one launch (grid G1, ROUTING_THREADS threads).
+
+    Every CTA builds a smem histogram of a contiguous chunk of pairs (ranks from smem atomics) and
+    reserves its slots in each expert segment with one global atomic per (CTA, expert). The last
+    CTA to finish (done-counter) runs the padded exclusive scan over the experts, writes the
+    M-block map and re-zeroes the counters for the next call.
+
+    Slot order depends on atomic order; the GEMM result of a row does not depend on its position,
+    so the final output stays bitwise deterministic.
+    """
+    nthr = constants.ROUTING_THREADS
+    tid, _, _ = cute.arch.thread_idx()
+    bid, _, _ = cute.arch.block_idx()
+    nblk, _, _ = cute.arch.grid_dim()
+    cute.arch.griddepcontrol_launch_dependents()
+    # Under PDL the previous call's combine may still read pair_row: wait before any write.
+    cute.arch.griddepcontrol_wait()
+    num_pairs = topk_ids.shape[0] * topk_ids.shape[1]
+    chunk = chunk_size(num_pairs, nblk)
+    smem = cutlass.utils.SmemAllocator()
+    s_hist = smem.allocate_tensor(cutlass.Int32, cute.make_layout(nthr), byte_alignment=16)
+    s_flag = smem.allocate_tensor(cutlass.Int32, cute.make_layout(1), byte_alignment=16)
+    s_hist[tid] = cutlass.Int32(0)
+    cute.arch.sync_threads()
+    ids_flat = cute.make_tensor(topk_ids.iterator, cute.make_layout(num_pairs))
+    start = bid * chunk
+    stop = cutlass.min(start + chunk, num_pairs)
+    for p in cutlass.range(start + tid, stop, nthr):
+        e = ids_flat[p]
+        pair_rank[p] = cute.arch.atomic_add((s_hist.iterator + e).llvm_ptr, cutlass.Int32(1))
+    cute.arch.sync_threads()
+    if tid < num_experts:
+        c = s_hist[tid]
+        if c > 0:
+            cta_base[bid, tid] = cute.arch.atomic_add(
+                (expert_count.iterator + tid).llvm_ptr, c, sem="relaxed", scope="gpu"
+            )
+    # Publish our reservations, then count this CTA as done; the last one does the scan.
+    cute.arch.fence_acq_rel_gpu()
+    cute.arch.sync_threads()
+    if tid == 0:
+        done = cute.arch.atomic_add(
+            (expert_count.iterator + num_experts).llvm_ptr, cutlass.Int32(1), sem="acq_rel", scope="gpu"
+        )
+        s_flag[0] = done
+    cute.arch.sync_threads()
+    if s_flag[0] == nblk - 1:
+        cute.arch.fence_acq_rel_gpu()
+        _scan_experts(expert_count, expert_off, m_block_expert, meta, s_hist, num_experts, tile_m, pad_m)
+
+
+def chunk_size(num_pairs, num_ctas):
+    """Pairs per routing CTA (>= 1 so that T = 0 divides safely)."""
+    return cutlass.max((num_pairs + num_ctas - 1) // num_ctas, 1)
+
+
+@cute.jit
+def _scan_experts(
+    expert_count: cute.Tensor,
+    expert_off: cute.Tensor,
+    m_block_expert: cute.Tensor,
+    meta: cute.Tensor,
+    s_scan: cute.Tensor,
+    num_experts: cutlass.Constexpr[int],
+    tile_m: cutlass.Constexpr[int],
+    pad_m: cutlass.Constexpr[int],
+):
+    """Padded exclusive scan over the experts (one per thread) by the last routing CTA."""
+    nthr = constants.ROUTING_THREADS
+    tid, _, _ = cute.arch.thread_idx()
+    cnt = cutlass.Int32(0)
+    if tid < num_experts:
+        cnt = cute.arch.load((expert_count.iterator + tid).llvm_ptr, cutlass.Int32, sem="relaxed", scope="gpu")
+        expert_count[tid] = cutlass.Int32(0)
+    if tid == 0:
+        expert_count[num_experts] = cutlass.Int32(0)
+    # Segments padded to pad_m = tile_m * cluster_m: a GEMM cluster's M blocks share one expert.
+    padded = (cnt + (pad_m - 1)) // pad_m * pad_m
+    # Inclusive scan: warp shuffles, then the 32 warp totals by warp 0.
+    lane = tid % 32
+    warp = tid // 32
+    v = padded
+    for i in cutlass.range_constexpr(5):
+        o = cute.arch.shuffle_sync_up(v, 1 << i)
+        if lane >= (1 << i):
+            v = v + o
+    cute.arch.sync_threads()  # s_scan aliases the histogram, still read above
+    if lane == 31:
+        s_scan[warp] = v
+    cute.arch.sync_threads()
+    if warp == 0:
+        w = s_scan[lane]
+        for i in cutlass.range_constexpr(5):
+            o = cute.arch.shuffle_sync_up(w, 1 << i)
+            if lane >= (1 << i):
+                w = w + o
+        s_scan[lane] = w
+    cute.arch.sync_threads()
+    incl = v
+    if warp > 0:
+        incl = v + s_scan[warp - 1]
+    start = incl - padded
+    if tid < num_experts:
+        expert_off[tid] = start
+        # Packed: expert in bits 0..15, real (non-padding) rows of the block in bits 16..31.
+        first = start // tile_m
+        for b in cutlass.range(first, incl // tile_m):
+            valid = cutlass.min(cutlass.max(cnt - (b - first) * tile_m, 0), tile_m)
+            m_block_expert[b] = tid | (valid << 16)
+    if tid == nthr - 1:
+        meta[META_NUM_M_BLOCKS] = incl // tile_m
+        meta[META_NUM_ROWS] = incl
+
+
+@cute.kernel
+def gather_kernel(
+    x: cute.Tensor,  # (T, H) bf16
+    topk_ids: cute.Tensor,  # (T, K) int32
+    pair_rank: cute.Tensor,  # (>= T*K,) int32: rank inside the routing CTA's chunk
+    expert_off: cute.Tensor,  # (E,) int32
+    cta_base: cute.Tensor,  # (G1, E) int32
+    pair_row: cute.Tensor,  # (>= T*K,) int32 out: final row of each pair
+    a_buf: cute.Tensor,  # (M_cap, H) bf16
+    num_route_ctas: cutlass.Constexpr[int],
+    vpt: cutlass.Constexpr[int],
+):
+    """Final rows of the pairs, and a_buf[row] = x[token].
+
+    A thread item is ``vpt`` 16-byte vectors of one token (strided by nvec/vpt so that a warp's
+    accesses stay contiguous): the K rows are computed once per item, the x vectors are read once
+    and written to the token's K rows, with all loads of an item in flight together.
+
+    TODO(EP): world size 1 reads ``x`` directly. The expert-parallel variant (peer token rows read
+    through a table of per-rank base addresses) lives in ``ep_kernels`` (``ep_gather``).
+    """
+    vec = constants.BF16_PER_16B
+    hidden = x.shape[1]
+    num_tokens = x.shape[0]
+    top_k = topk_ids.shape[1]
+    ngrp = hidden // (vec * vpt)
+    tid, _, _ = cute.arch.thread_idx()
+    bid, _, _ = cute.arch.block_idx()
+    nblk, _, _ = cute.arch.grid_dim()
+    bdim, _, _ = cute.arch.block_dim()
+    cute.arch.griddepcontrol_launch_dependents()
+    cute.arch.griddepcontrol_wait()  # routing results (no-op without PDL)
+    chunk = chunk_size(num_tokens * top_k, num_route_ctas)
+    frags = [cute.make_rmem_tensor((1, vec), x.element_type) for _ in range(vpt)]
+    rows = cute.make_rmem_tensor((top_k,), cutlass.Int32)
+    for item in cutlass.range(bid * bdim + tid, num_tokens * ngrp, nblk * bdim):
+        t = item // ngrp
+        g = item - t * ngrp
+        for j in cutlass.range_constexpr(vpt):
+            cute.autovec_copy(cute.local_tile(x, (1, vec), (t, g + j * ngrp)), frags[j])
+        for k in cutlass.range_constexpr(top_k):
+            p = t * top_k + k
+            e = topk_ids[t, k]
+            rows[k] = expert_off[e] + cta_base[p // chunk, e] + pair_rank[p]
+        for k in cutlass.range_constexpr(top_k):
+            for j in cutlass.range_constexpr(vpt):
+                cute.autovec_copy(frags[j], cute.local_tile(a_buf, (1, vec), (rows[k], g + j * ngrp)))
+        if g == 0:
+            for k in cutlass.range_constexpr(top_k):
+                pair_row[t * top_k + k] = rows[k]
+
+
+@cute.kernel
+def combine_kernel(
+    y: cute.Tensor,  # (M_cap, H) bf16: FC2 output rows
+    pair_row: cute.Tensor,  # (>= T*K,) int32
+    topk_weights: cute.Tensor,  # (T, K) fp32
+    out: cute.Tensor,  # (T, H) bf16
+    top_k: cutlass.Constexpr[int],
+    vpt: cutlass.Constexpr[int],
+):
+    """out[t] = bf16(sum_k w[t,k] * float(y[pair_row[t*K+k]])), k in order, fp32 accumulation.
+
+    A thread item is ``vpt`` 16-byte vectors (8 columns each) of one token; its K * vpt row loads
+    are in flight together. No atomics: deterministic.
+    """
+    vec = constants.BF16_PER_16B
+    hidden = out.shape[1]
+    num_tokens = out.shape[0]
+    ngrp = hidden // (vec * vpt)
+    tid, _, _ = cute.arch.thread_idx()
+    bid, _, _ = cute.arch.block_idx()
+    nblk, _, _ = cute.arch.grid_dim()
+    bdim, _, _ = cute.arch.block_dim()
+    cute.arch.griddepcontrol_launch_dependents()
+    cute.arch.griddepcontrol_wait()  # FC2 output (no-op without PDL)
+    frags = [cute.make_rmem_tensor((1, vec), y.element_type) for _ in range(top_k * vpt)]
+    frag_out = cute.make_rmem_tensor((1, vec), out.element_type)
+    for item in cutlass.range(bid * bdim + tid, num_tokens * ngrp, nblk * bdim):
+        t = item // ngrp
+        g = item - t * ngrp
+        for k in cutlass.range_constexpr(top_k):
+            r = pair_row[t * top_k + k]
+            for j in cutlass.range_constexpr(vpt):
+                cute.autovec_copy(cute.local_tile(y, (1, vec), (r, g + j * ngrp)), frags[k * vpt + j])
+        for j in cutlass.range_constexpr(vpt):
+            acc = cute.make_rmem_tensor((1, vec), cutlass.Float32)
+            acc.fill(0.0)
+            for k in cutlass.range_constexpr(top_k):
+                acc.store(acc.load() + topk_weights[t, k] * frags[k * vpt + j].load().to(cutlass.Float32))
+            frag_out.store(acc.load().to(out.element_type))
+            cute.autovec_copy(frag_out, cute.local_tile(out, (1, vec), (t, g + j * ngrp)))

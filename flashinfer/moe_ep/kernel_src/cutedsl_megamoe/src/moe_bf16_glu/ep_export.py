@@ -1,0 +1,118 @@
+"""Compile ``Sm90MegaMoEBf16EpKernel`` ahead of time and export it as a TVM-FFI library (DRAFT).
+
+CPU-only machines: set ``CUTE_DSL_ARCH=sm_90a`` before cutlass is imported. Calling convention
+(torch tensors, the current torch stream; scalars as Python ints), argument order
+``ep_workspace.EP_ARGS``::
+
+    fn(x[T,H] bf16, topk_ids[T,K] i32, topk_weights[T,K] f32, w13[E_loc,N1,H] bf16,
+       w2[E_loc,H,I] bf16, out[T,H] bf16,
+       flags[3,R] i32, x_sym[T_cap,H] bf16, send_list[T_cap*K,2] i32, expert_cnt[E] i32,
+       expert_start[E] i32, row_base[R,E_loc] i32, a_buf[M_cap,H] bf16,      # symmetric (own)
+       flags_tab, x_tab, send_tab, cnt_tab, start_tab, row_base_tab, y_tab,    # int64 [R] each
+       cta_cnt[G,E] i32, pair_pos[T_cap*K] i32, src_meta[R,4] i32,
+       m_block_expert[M_cap/tile_m] i32, meta[4] i32, h_buf[M_cap,I] bf16,    # local
+       abort[4] i32, rank, epoch, prev_epoch, timeout_ns)
+
+T, T_cap, T_cap*K, M_cap and M_cap/tile_m are symbolic; H, I, E_loc, K, R, G are compile-time.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+from ..common import constants
+from .ep_kernel import Sm90MegaMoEBf16EpKernel
+from .export import _ldflags, check_problem
+
+
+def check_ep_problem(kernel: Sm90MegaMoEBf16EpKernel, hidden: int, inter: int, num_experts: int, top_k: int) -> None:
+    """``num_experts`` is global; raises ValueError when the shape does not fit the knobs."""
+    if num_experts % kernel.world_size:
+        raise ValueError(f"{num_experts} experts do not split over {kernel.world_size} ranks")
+    if num_experts > constants.ROUTING_THREADS:
+        raise ValueError(f"at most {constants.ROUTING_THREADS} global experts, got {num_experts}")
+    check_problem(kernel, hidden, inter, num_experts // kernel.world_size, top_k)
+
+
+def ep_fake_arguments(
+    kernel: Sm90MegaMoEBf16EpKernel, hidden: int, inter: int, num_experts: int, top_k: int
+) -> list[Any]:
+    bf16, i32, i64, f32 = cutlass.BFloat16, cutlass.Int32, cutlass.Int64, cutlass.Float32
+    world = kernel.world_size
+    e_loc = num_experts // world
+    n1 = 2 * inter if kernel.activation in constants.GATED_ACTIVATIONS else inter
+    t = cute.sym_int()
+    t_cap = cute.sym_int()
+    p_cap = cute.sym_int()
+    m_cap = cute.sym_int()
+
+    def mat(dtype: Any, shape: tuple) -> Any:
+        order = tuple(range(len(shape) - 1, -1, -1))
+        return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=16)
+
+    tables = [mat(i64, (world,)) for _ in range(7)]
+    return [
+        mat(bf16, (t, hidden)),  # x
+        mat(i32, (t, top_k)),  # topk_ids
+        mat(f32, (t, top_k)),  # topk_weights
+        mat(bf16, (e_loc, n1, hidden)),  # w13
+        mat(bf16, (e_loc, hidden, inter)),  # w2
+        mat(bf16, (t, hidden)),  # out
+        mat(i32, (3, world)),  # flags
+        mat(bf16, (t_cap, hidden)),  # x_sym
+        mat(i32, (p_cap, 2)),  # send_list
+        mat(i32, (num_experts,)),  # expert_cnt
+        mat(i32, (num_experts,)),  # expert_start
+        mat(i32, (world, e_loc)),  # row_base
+        mat(bf16, (m_cap, hidden)),  # a_buf
+        *tables,
+        mat(i32, (kernel.grid, num_experts)),  # cta_cnt
+        mat(i32, (p_cap,)),  # pair_pos
+        mat(i32, (world, 4)),  # src_meta
+        mat(i32, (cute.sym_int(),)),  # m_block_expert
+        mat(i32, (4,)),  # meta
+        mat(bf16, (m_cap, inter)),  # h_buf
+        mat(i32, (4,)),  # abort
+        i32(0),  # rank
+        i32(1),  # epoch
+        i32(0),  # prev_epoch
+        i64(1_000_000_000),  # timeout_ns
+        make_fake_stream(use_tvm_ffi_env_stream=True),
+    ]
+
+
+def compile_moe_bf16_ep(kernel: Sm90MegaMoEBf16EpKernel, hidden: int, inter: int, num_experts: int, top_k: int) -> Any:
+    check_ep_problem(kernel, hidden, inter, num_experts, top_k)
+    args = ep_fake_arguments(kernel, hidden, inter, num_experts, top_k)
+    return cute.compile(kernel, *args, options="--enable-tvm-ffi")
+
+
+def export_moe_bf16_ep(
+    kernel: Sm90MegaMoEBf16EpKernel,
+    hidden: int,
+    inter: int,
+    num_experts: int,
+    top_k: int,
+    out_dir: str | os.PathLike,
+    function_name: str = "moe_bf16_ep",
+) -> Path:
+    """Compile, export and link ``lib<function_name>.so`` in ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    compiled = compile_moe_bf16_ep(kernel, hidden, inter, num_experts, top_k)
+    obj = out / f"{function_name}.o"
+    lib = out / f"lib{function_name}.so"
+    compiled.export_to_c(str(obj), function_name=function_name, export_only_tvm_ffi_symbols=True)
+    cxx = shutil.which("g++") or sysconfig.get_config_var("CXX") or "c++"
+    subprocess.run([cxx, "-shared", "-o", str(lib), str(obj), *_ldflags()], check=True)
+    obj.unlink()
+    return lib

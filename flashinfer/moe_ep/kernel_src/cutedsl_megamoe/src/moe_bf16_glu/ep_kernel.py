@@ -1,0 +1,179 @@
+"""``Sm90MegaMoEBf16EpKernel``: the expert-parallel BF16 MoE forward of one rank as one traced host
+function (DRAFT). The protocol and the kernel chain are described in ``ep_kernels``; the buffers
+in ``ep_workspace``.
+
+``rank``, ``epoch``, ``prev_epoch`` and ``timeout_ns`` are RUNTIME scalars: one compiled library
+serves every rank of a world size (``world_size`` is compile-time: it sizes the flag array and
+the pointer tables). T is symbolic as in the world-1 kernel.
+
+Buffer-reuse guards (which wait protects which overwrite), for epoch e on rank r:
+
+- owner buffers read by peers in epoch e-1: ``a_buf`` (y rows, read by every source's combine)
+  and ``row_base`` (read by every source's combine). Kernel 5 waits ``finished[s] >= prev_epoch``
+  for every s before it writes ``row_base`` and before the gather (kernel 6) writes ``a_buf``.
+- source buffers read by owners in epoch e-1: ``x_sym``, ``send_list``, ``expert_cnt``,
+  ``expert_start`` (read by every owner's scan and gather). They are rewritten by kernels 1-3 of
+  epoch e, which this stream orders after kernel 9 of epoch e-1, whose wait ``done[d] >= e-1``
+  for every d proves every owner finished its gather (done is signalled after FC2).
+- flags are single-writer monotonic words: never reset.
+
+``prev_epoch`` is normally ``epoch - 1``; pass 0 for the first forward and for the first forward
+after an abort (after the host has synchronized every rank), which skips the reuse wait.
+
+Loopback co-residency rule (``ranks_per_gpu = R`` logical ranks on one GPU): every grid of the
+chain has ``G = num_sms // ranks_per_gpu`` CTAs, so the R ranks' concurrent kernels fit on the
+GPU together. Every spin-wait is in a single-CTA kernel (kernels 5 and 9), so at most R CTAs ever
+spin and the kernels they wait for always find free SMs. The EP kernels never use PDL (a
+PDL-launched grid would sit resident while its predecessor spins); ``use_pdl`` applies only to
+FC1 and FC2, which never wait on another rank.
+"""
+
+import cutlass
+import cutlass.cute as cute
+
+from ..common import constants
+from . import ep_kernels as K
+from .grouped_gemm import EPI_PLAIN, GroupedGemmSm90
+
+
+class Sm90MegaMoEBf16EpKernel:
+    """Compile-time knobs of the EP BF16 MoE kernel.
+
+    Same knobs as ``Sm90MegaMoEBf16Kernel`` (activation, limit, tile_m, fc1/fc2_tile_n, num_sms,
+    fc1/fc2_stages, use_pdl (GEMMs only), epi_direct, stage_mask) plus:
+
+    :param world_size: number of EP ranks R (experts split evenly: E_local = E / R).
+    :param ranks_per_gpu: logical ranks sharing one GPU (1 for NVSHMEM, R for loopback); every
+        grid has ``num_sms // ranks_per_gpu`` CTAs.
+    :param stage_mask: accepted for signature parity; only 0b11111 is supported here.
+    """
+
+    def __init__(
+        self,
+        activation: str = constants.ACT_SWIGLU,
+        limit: float | None = None,
+        tile_m: int = 128,
+        fc1_tile_n: int = 128,
+        fc2_tile_n: int = 128,
+        num_sms: int = constants.DEFAULT_NUM_SMS,
+        fc1_stages: int | None = None,
+        fc2_stages: int | None = None,
+        use_pdl: bool = True,
+        epi_direct: bool = True,
+        stage_mask: int = 0b11111,
+        world_size: int = 1,
+        ranks_per_gpu: int = 1,
+    ) -> None:
+        if activation not in constants.ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}")
+        if not 1 <= world_size <= 32:
+            raise ValueError(f"world_size must be in [1, 32], got {world_size}")
+        if stage_mask != 0b11111:
+            raise ValueError("the EP kernel runs every stage (stage_mask must be 0b11111)")
+        if ranks_per_gpu < 1 or num_sms // ranks_per_gpu < 1:
+            raise ValueError(f"ranks_per_gpu={ranks_per_gpu} leaves no SM per rank")
+        self.activation = activation
+        self.limit = limit
+        self.tile_m = tile_m
+        self.num_sms = num_sms
+        self.world_size = world_size
+        self.ranks_per_gpu = ranks_per_gpu
+        self.grid = num_sms // ranks_per_gpu
+        self.aux_threads = 256
+        self.aux_vpt = 1  # the EP gather/combine move one 16-byte vector per thread item (check_problem reads it)
+        self.use_pdl = use_pdl
+        self.stage_mask = stage_mask
+        self.fc1 = GroupedGemmSm90(tile_m, fc1_tile_n, activation, limit, self.grid, fc1_stages, epi_direct)
+        self.fc2 = GroupedGemmSm90(tile_m, fc2_tile_n, EPI_PLAIN, None, self.grid, fc2_stages, epi_direct)
+
+    @staticmethod
+    def _expert_major_view(w: cute.Tensor) -> cute.Tensor:
+        return cute.make_tensor(w.iterator, cute.select(w.layout, mode=[1, 2, 0]))
+
+    @cute.jit
+    def __call__(
+        self,
+        x: cute.Tensor,  # [T, H] bf16
+        topk_ids: cute.Tensor,  # [T, K] int32, GLOBAL expert ids
+        topk_weights: cute.Tensor,  # [T, K] fp32
+        w13: cute.Tensor,  # [E_loc, N1, H] bf16 (this rank's experts, prepared as world 1)
+        w2: cute.Tensor,  # [E_loc, H, I] bf16
+        out: cute.Tensor,  # [T, H] bf16
+        # symmetric buffers: this rank's views
+        flags: cute.Tensor,  # [3, R] int32 (zeroed once at allocation)
+        x_sym: cute.Tensor,  # [T_cap, H] bf16
+        send_list: cute.Tensor,  # [T_cap*K, 2] int32
+        expert_cnt: cute.Tensor,  # [E] int32
+        expert_start: cute.Tensor,  # [E] int32
+        row_base: cute.Tensor,  # [R, E_loc] int32
+        a_buf: cute.Tensor,  # [M_cap, H] bf16 (gathered rows, then y)
+        # peer pointer tables, int64 [R]
+        flags_tab: cute.Tensor,
+        x_tab: cute.Tensor,
+        send_tab: cute.Tensor,
+        cnt_tab: cute.Tensor,
+        start_tab: cute.Tensor,
+        row_base_tab: cute.Tensor,
+        y_tab: cute.Tensor,
+        # local workspace
+        cta_cnt: cute.Tensor,  # [G, E] int32
+        pair_pos: cute.Tensor,  # [T_cap*K] int32
+        src_meta: cute.Tensor,  # [R, 4] int32
+        m_block_expert: cute.Tensor,  # [M_cap/tile_m] int32
+        meta: cute.Tensor,  # [4] int32
+        h_buf: cute.Tensor,  # [M_cap, I] bf16
+        abort: cute.Tensor,  # [4] int32: (aborted, stage, peer, epoch); host zeroes it
+        rank: cutlass.Int32,
+        epoch: cutlass.Int32,
+        prev_epoch: cutlass.Int32,
+        timeout_ns: cutlass.Int64,
+        stream,
+    ):
+        world = self.world_size
+        local_experts = w13.shape[0]
+        num_experts = local_experts * world
+        top_k = topk_ids.shape[1]
+        g = self.grid
+        aux = [self.aux_threads, 1, 1]
+        one = [1, 1, 1]
+        sig = [K.SIGNAL_THREADS, 1, 1]
+        # 1-3: local routing, send list sorted by global expert (source role)
+        K.ep_route_count_kernel(x, topk_ids, x_sym, cta_cnt, abort, num_experts).launch(
+            grid=[g, 1, 1], block=aux, stream=stream
+        )
+        K.ep_route_scan_kernel(cta_cnt, expert_cnt, expert_start, abort, num_experts, g).launch(
+            grid=one, block=[constants.ROUTING_THREADS, 1, 1], stream=stream
+        )
+        K.ep_route_place_kernel(topk_ids, cta_cnt, expert_start, send_list, pair_pos, abort, num_experts).launch(
+            grid=[g, 1, 1], block=[32, 1, 1], stream=stream
+        )
+        # 4: ready[rank] = epoch everywhere
+        K.ep_signal_kernel(flags_tab, rank, epoch, abort, K.FLAG_READY, world).launch(
+            grid=one, block=sig, stream=stream
+        )
+        # 5: owner waits (ready of this epoch, finished of the previous one), plans rows
+        K.ep_owner_scan_kernel(
+            flags, cnt_tab, start_tab, row_base, m_block_expert, meta, src_meta,
+            rank, epoch, prev_epoch, timeout_ns, abort, world, local_experts, self.tile_m,
+        ).launch(grid=one, block=[constants.ROUTING_THREADS, 1, 1], stream=stream)  # fmt: skip
+        # 6: pull x rows from the sources
+        K.ep_gather_kernel(
+            x_sym, x_tab, send_tab, start_tab, row_base, src_meta, meta, a_buf, rank, abort,
+            world, local_experts, top_k,
+        ).launch(grid=[g, 1, 1], block=aux, stream=stream)  # fmt: skip
+        # 7-8: expert GEMMs, as the world-1 kernel (meta[0] = 0 after an abort: no tiles)
+        pdl = self.use_pdl
+        self.fc1.launch(a_buf, self._expert_major_view(w13), h_buf, m_block_expert, meta, stream, pdl)
+        self.fc2.launch(h_buf, self._expert_major_view(w2), a_buf, m_block_expert, meta, stream, pdl)
+        # 9: done[rank] = epoch everywhere, then wait for every owner
+        K.ep_done_and_wait_kernel(flags, flags_tab, rank, epoch, timeout_ns, abort, world).launch(
+            grid=one, block=sig, stream=stream
+        )
+        # 10: combine from the owners' y
+        K.ep_combine_kernel(
+            topk_ids, topk_weights, pair_pos, row_base_tab, y_tab, out, rank, abort, world, local_experts, top_k
+        ).launch(grid=[g, 1, 1], block=aux, stream=stream)
+        # 11: finished[rank] = epoch everywhere (this rank no longer reads any peer buffer)
+        K.ep_signal_kernel(flags_tab, rank, epoch, abort, K.FLAG_FINISHED, world).launch(
+            grid=one, block=sig, stream=stream
+        )

@@ -1,0 +1,525 @@
+"""Device kernels of the expert-parallel (EP) BF16 MoE: pull-based dispatch and combine (DRAFT).
+
+One forward on rank ``r`` of ``R`` (global experts ``E = R * E_loc``, expert ``e`` lives on rank
+``e // E_loc`` as local expert ``e % E_loc``) is this chain, all on one stream:
+
+====  =====================  ======  =======================================================
+ K    kernel                 grid    role
+====  =====================  ======  =======================================================
+ 1    ep_route_count         G       x -> x_sym (own symmetric copy); per-CTA expert histogram
+ 2    ep_route_scan          1       per-expert counts/starts (symmetric), per-CTA bases
+ 3    ep_route_place         G       stable (token-order) send list sorted by global expert
+ 4    ep_signal              1       ready[r] = epoch into EVERY rank's flag array
+ 5    ep_owner_scan          1       WAIT ready[*] >= epoch, finished[*] >= prev_epoch; row plan
+ 6    ep_gather              G       peer reads of x rows into a_buf (expert-major, padded)
+ 7/8  FC1 / FC2              G       ``GroupedGemmSm90`` exactly as the world-1 kernel
+ 9    ep_done_and_wait       1       done[r] = epoch into every rank; WAIT done[*] >= epoch
+ 10   ep_combine             G       out[t] = bf16(sum_k w * y) with y read from the owners
+ 11   ep_signal              1       finished[r] = epoch into every rank
+====  =====================  ======  =======================================================
+
+Flags: ``flags[3, R]`` int32 in every rank's symmetric arena; ``flags[KIND, s]`` is written only
+by rank ``s`` (st.release.sys after a fence.acq_rel.sys) and read only by its owner rank
+(ld.acquire.sys). Epochs grow monotonically from 1 (int32), so a wait is ``flag >= target``.
+
+Every wait (kernels 5 and 9) runs in a single CTA, one thread per awaited peer, with a deadline
+``%globaltimer + timeout_ns``; on expiry the first failing thread claims the abort word
+(``abort[0]`` 0 -> 1 by CAS) and writes ``abort[1..3] = (stage, peer, epoch)``. Every EP kernel
+reads ``abort[0]`` first and returns when it is set; kernel 5 then also writes ``meta[0] = 0`` so
+the GEMMs (which do not read the abort word) have no tiles. No trap, no hang.
+
+Placement (owner side, deterministic): a source's send list is its pairs sorted by global expert,
+token order inside an expert (kernel 3 ranks with ``match.any`` inside one warp per chunk, so
+the order does not depend on atomics). The owner lays rows out expert-major, each local expert
+padded to ``tile_m``, and inside an expert by source ``s = 0..R-1`` then list order::
+
+    row(s, le, j) = row_base[s, le] + j,  row_base[s, le] = expert_off[le] + sum_{s'<s} cnt[s', le]
+
+``row_base`` ([R, E_loc] int32, symmetric) is the per-source table the owner publishes; a source
+knows ``j`` of each of its pairs (``pair_pos``), so it finds the row of every pair.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+
+from ..common import constants
+
+# flags[KIND, rank] rows
+FLAG_READY = 0
+FLAG_DONE = 1
+FLAG_FINISHED = 2
+NUM_FLAG_KINDS = 3
+
+# abort[] slots and stage ids written to abort[1]
+ABORT_FLAG = 0
+ABORT_STAGE = 1
+ABORT_PEER = 2
+ABORT_EPOCH = 3
+ABORT_LEN = 4
+STAGE_OWNER_READY = 1  # owner waits ready[s] (source s has published its send list)
+STAGE_OWNER_REUSE = 2  # owner waits finished[s] of the previous epoch (buffer reuse)
+STAGE_SOURCE_DONE = 3  # source waits done[d] (owner d has its y rows and row table)
+
+# meta[] slots (local workspace of the owner)
+META_NUM_M_BLOCKS = 0
+META_NUM_ROWS = 1
+META_NUM_PAIRS = 2  # pairs received from all sources
+META_LEN = 4
+
+# src_meta[s, :] (local workspace of the owner)
+SRC_START = 0  # first index of the owner's range in source s's send list
+SRC_TOTAL = 1  # pairs from s to the owner
+SRC_PREFIX = 2  # sum of SRC_TOTAL over sources < s
+SRC_META_LEN = 4
+
+SIGNAL_THREADS = 64  # threads of the single-CTA signal/wait kernels (>= R, so R <= 64)
+POLL_NS = 128  # nanosleep between polls
+
+
+# ------------------------------------------------------------------------------------- helpers
+def _peer_ptr(table: cute.Tensor, peer, dtype, align: int):
+    """Pointer to rank ``peer``'s copy of a symmetric buffer (``table`` is int64 [R] of addresses)."""
+    return cute.make_ptr(dtype, table[peer], cute.AddressSpace.gmem, assumed_align=align)
+
+
+def _load_sys(ptr) -> cutlass.Int32:
+    """Strong (relaxed, system-scope) int32 load of metadata another rank wrote (no stale L1)."""
+    return cute.arch.load(ptr, cutlass.Int32, sem="relaxed", scope="sys")
+
+
+def _aborted(abort: cute.Tensor):
+    return abort[ABORT_FLAG] != 0
+
+
+@cute.jit
+def _record_abort(abort: cute.Tensor, stage: cutlass.Int32, peer: cutlass.Int32, epoch: cutlass.Int32):
+    old = cute.arch.atomic_cas(
+        abort.iterator + ABORT_FLAG, cmp=cutlass.Int32(0), val=cutlass.Int32(1), sem="relaxed", scope="gpu"
+    )
+    if old == 0:
+        abort[ABORT_STAGE] = stage
+        abort[ABORT_PEER] = peer
+        abort[ABORT_EPOCH] = epoch
+
+
+@cute.jit
+def _spin_wait_ge(
+    flag_ptr,
+    target: cutlass.Int32,
+    deadline: cutlass.Int64,
+    abort: cute.Tensor,
+    stage: cutlass.Int32,
+    peer: cutlass.Int32,
+    epoch: cutlass.Int32,
+) -> cutlass.Int32:
+    """Spin (ld.acquire.sys + nanosleep) until ``*flag_ptr >= target`` or the deadline passes.
+
+    Returns 0 on success, 1 on timeout (then the abort word is claimed and filled)."""
+    state = cutlass.Int32(1)  # 1 waiting, 0 done, 2 timed out
+    v = cute.arch.load(flag_ptr, cutlass.Int32, sem="acquire", scope="sys")
+    if v >= target:
+        state = cutlass.Int32(0)
+    while state == 1:
+        cute.arch.inline_ptx("nanosleep.u32 {$r0};", read_only_args=[cutlass.Int32(POLL_NS)])
+        v = cute.arch.load(flag_ptr, cutlass.Int32, sem="acquire", scope="sys")
+        if v >= target:
+            state = cutlass.Int32(0)
+        else:
+            if cute.arch.globaltimer() > deadline:
+                state = cutlass.Int32(2)
+    failed = cutlass.Int32(0)
+    if state == 2:
+        _record_abort(abort, stage, peer, epoch)
+        failed = cutlass.Int32(1)
+    return failed
+
+
+@cute.jit
+def _block_inclusive_scan(v: cutlass.Int32, s_scan: cute.Tensor, tid: cutlass.Int32) -> cutlass.Int32:
+    """Inclusive scan over the CTA (ROUTING_THREADS threads, every thread calls it)."""
+    lane = tid % 32
+    warp = tid // 32
+    for i in cutlass.range_constexpr(5):
+        o = cute.arch.shuffle_sync_up(v, 1 << i)
+        if lane >= (1 << i):
+            v = v + o
+    if lane == 31:
+        s_scan[warp] = v
+    cute.arch.sync_threads()
+    if warp == 0:
+        w = s_scan[lane]
+        for i in cutlass.range_constexpr(5):
+            o = cute.arch.shuffle_sync_up(w, 1 << i)
+            if lane >= (1 << i):
+                w = w + o
+        s_scan[lane] = w
+    cute.arch.sync_threads()
+    incl = v
+    if warp > 0:
+        incl = v + s_scan[warp - 1]
+    cute.arch.sync_threads()  # s_scan may be reused by the caller
+    return incl
+
+
+def chunk_size(num_pairs, num_ctas):
+    return cutlass.max((num_pairs + num_ctas - 1) // num_ctas, 1)
+
+
+# --------------------------------------------------------------------- source side: routing
+@cute.kernel
+def ep_route_count_kernel(
+    x: cute.Tensor,  # (T, H) bf16
+    topk_ids: cute.Tensor,  # (T, K) int32, global experts
+    x_sym: cute.Tensor,  # (T_cap, H) bf16, symmetric: receives x (peers gather from it)
+    cta_cnt: cute.Tensor,  # (G, E) int32: pairs of each expert in this CTA's chunk
+    abort: cute.Tensor,
+    num_experts: cutlass.Constexpr[int],
+):
+    tid, _, _ = cute.arch.thread_idx()
+    bid, _, _ = cute.arch.block_idx()
+    nblk, _, _ = cute.arch.grid_dim()
+    nthr, _, _ = cute.arch.block_dim()
+    if not _aborted(abort):
+        vec = constants.BF16_PER_16B
+        hidden = x.shape[1]
+        num_tokens = x.shape[0]
+        num_pairs = num_tokens * topk_ids.shape[1]
+        # x -> x_sym, one warp per token (16-byte vectors).
+        lane = tid % 32
+        warps = nthr // 32
+        frag = cute.make_rmem_tensor((vec,), x.element_type)
+        for t in cutlass.range(bid * warps + tid // 32, num_tokens, nblk * warps):
+            for c in cutlass.range(lane, hidden // vec, 32):
+                cute.autovec_copy(cute.local_tile(x, (1, vec), (t, c)), frag)
+                cute.autovec_copy(frag, cute.local_tile(x_sym, (1, vec), (t, c)))
+        # Histogram of this CTA's contiguous chunk of pairs.
+        smem = cutlass.utils.SmemAllocator()
+        s_hist = smem.allocate_tensor(cutlass.Int32, cute.make_layout(num_experts), byte_alignment=16)
+        for e in cutlass.range(tid, num_experts, nthr):
+            s_hist[e] = cutlass.Int32(0)
+        cute.arch.sync_threads()
+        ids_flat = cute.make_tensor(topk_ids.iterator, cute.make_layout(num_pairs))
+        chunk = chunk_size(num_pairs, nblk)
+        start = bid * chunk
+        stop = cutlass.min(start + chunk, num_pairs)
+        for p in cutlass.range(start + tid, stop, nthr):
+            cute.arch.atomic_add((s_hist.iterator + ids_flat[p]).llvm_ptr, cutlass.Int32(1))
+        cute.arch.sync_threads()
+        for e in cutlass.range(tid, num_experts, nthr):
+            cta_cnt[bid, e] = s_hist[e]
+
+
+@cute.kernel
+def ep_route_scan_kernel(
+    cta_cnt: cute.Tensor,  # (G, E) int32: in counts; out: first position of the CTA inside the expert
+    expert_cnt: cute.Tensor,  # (E,) int32 symmetric: this source's pairs per global expert
+    expert_start: cute.Tensor,  # (E,) int32 symmetric: first send-list index of each expert
+    abort: cute.Tensor,
+    num_experts: cutlass.Constexpr[int],
+    num_route_ctas: cutlass.Constexpr[int],
+):
+    tid, _, _ = cute.arch.thread_idx()
+    if not _aborted(abort):
+        smem = cutlass.utils.SmemAllocator()
+        s_scan = smem.allocate_tensor(cutlass.Int32, cute.make_layout(32), byte_alignment=16)
+        total = cutlass.Int32(0)
+        if tid < num_experts:
+            for c in cutlass.range(num_route_ctas):
+                n = cta_cnt[c, tid]
+                cta_cnt[c, tid] = total
+                total = total + n
+        incl = _block_inclusive_scan(total, s_scan, tid)
+        if tid < num_experts:
+            expert_cnt[tid] = total
+            expert_start[tid] = incl - total
+
+
+@cute.kernel
+def ep_route_place_kernel(
+    topk_ids: cute.Tensor,  # (T, K) int32
+    cta_cnt: cute.Tensor,  # (G, E) int32: per-CTA base inside each expert (from the scan)
+    expert_start: cute.Tensor,  # (E,) int32 symmetric
+    send_list: cute.Tensor,  # (P_cap, 2) int32 symmetric: (pair index t*K+k, global expert)
+    pair_pos: cute.Tensor,  # (P_cap,) int32: position j of the pair inside (this source, expert)
+    abort: cute.Tensor,
+    num_experts: cutlass.Constexpr[int],
+):
+    """One warp per CTA walks its chunk in order, 32 pairs at a time: the rank among equal experts
+    comes from ``match.any`` (stable, token order), so the send list is deterministic."""
+    tid, _, _ = cute.arch.thread_idx()
+    bid, _, _ = cute.arch.block_idx()
+    nblk, _, _ = cute.arch.grid_dim()
+    if not _aborted(abort):
+        smem = cutlass.utils.SmemAllocator()
+        s_run = smem.allocate_tensor(cutlass.Int32, cute.make_layout(num_experts), byte_alignment=16)
+        for e in cutlass.range(tid, num_experts, 32):
+            s_run[e] = cta_cnt[bid, e]
+        cute.arch.sync_warp()
+        num_pairs = topk_ids.shape[0] * topk_ids.shape[1]
+        ids_flat = cute.make_tensor(topk_ids.iterator, cute.make_layout(num_pairs))
+        chunk = chunk_size(num_pairs, nblk)
+        start = bid * chunk
+        stop = cutlass.min(start + chunk, num_pairs)
+        lt = cutlass.Int32(cute.arch.lanemask_lt())
+        for q in cutlass.range(start, stop, 32):
+            p = q + tid
+            e = cutlass.Int32(-1)
+            if p < stop:
+                e = ids_flat[p]
+            peers = cutlass.Int32(cute.arch.match_sync(0xFFFFFFFF, e))
+            rank_in = cute.arch.popc(peers & lt)
+            base = cutlass.Int32(0)
+            if p < stop:
+                base = s_run[e]
+            cute.arch.sync_warp()
+            if p < stop:
+                pos = base + rank_in
+                idx = expert_start[e] + pos
+                send_list[idx, 0] = p
+                send_list[idx, 1] = e
+                pair_pos[p] = pos
+                if rank_in == 0:
+                    s_run[e] = base + cute.arch.popc(peers)
+            cute.arch.sync_warp()
+
+
+@cute.kernel
+def ep_signal_kernel(
+    flags_tab: cute.Tensor,  # (R,) int64: every rank's flags[3, R]
+    rank: cutlass.Int32,
+    epoch: cutlass.Int32,
+    abort: cute.Tensor,
+    kind: cutlass.Constexpr[int],
+    world: cutlass.Constexpr[int],
+):
+    """flags[kind, rank] = epoch in every rank's flag array (fence.acq_rel.sys + st.release.sys).
+
+    The data the flag publishes was written by earlier kernels of this stream (complete)."""
+    tid, _, _ = cute.arch.thread_idx()
+    if not _aborted(abort):
+        if tid < world:
+            cute.arch.fence_acq_rel_sys()
+            ptr = _peer_ptr(flags_tab, tid, cutlass.Int32, 4) + (kind * world + rank)
+            cute.arch.store(ptr, epoch, sem="release", scope="sys")
+
+
+# ------------------------------------------------------------------------- owner side
+@cute.kernel
+def ep_owner_scan_kernel(
+    flags: cute.Tensor,  # (3, R) int32 symmetric (this rank's)
+    cnt_tab: cute.Tensor,  # (R,) int64: every rank's expert_cnt (E,)
+    start_tab: cute.Tensor,  # (R,) int64: every rank's expert_start (E,)
+    row_base: cute.Tensor,  # (R, E_loc) int32 symmetric: published row table
+    m_block_expert: cute.Tensor,  # (M_cap / tile_m,) int32
+    meta: cute.Tensor,  # (META_LEN,) int32
+    src_meta: cute.Tensor,  # (R, SRC_META_LEN) int32
+    rank: cutlass.Int32,
+    epoch: cutlass.Int32,
+    prev_epoch: cutlass.Int32,
+    timeout_ns: cutlass.Int64,
+    abort: cute.Tensor,
+    world: cutlass.Constexpr[int],
+    local_experts: cutlass.Constexpr[int],
+    tile_m: cutlass.Constexpr[int],
+):
+    """WAIT ready[s] >= epoch (stage 1) and finished[s] >= prev_epoch (stage 2) for every s, then
+    plan the rows: padded expert offsets, the M-block map, ``row_base`` and the source ranges."""
+    tid, _, _ = cute.arch.thread_idx()
+    smem = cutlass.utils.SmemAllocator()
+    s_scan = smem.allocate_tensor(cutlass.Int32, cute.make_layout(32), byte_alignment=16)
+    s_fail = smem.allocate_tensor(cutlass.Int32, cute.make_layout(1), byte_alignment=16)
+    if tid == 0:
+        s_fail[0] = cutlass.Int32(0)
+        if _aborted(abort):
+            s_fail[0] = cutlass.Int32(1)
+    cute.arch.sync_threads()
+    if s_fail[0] == 0:
+        deadline = cute.arch.globaltimer() + timeout_ns
+        if tid < world:
+            f = _spin_wait_ge(flags.iterator + (FLAG_READY * world + tid), epoch, deadline, abort,
+                              cutlass.Int32(STAGE_OWNER_READY), tid, epoch)  # fmt: skip
+            if f != 0:
+                s_fail[0] = cutlass.Int32(1)
+        if tid >= 32 and tid < 32 + world:
+            s = tid - 32
+            if prev_epoch > 0:
+                f = _spin_wait_ge(flags.iterator + (FLAG_FINISHED * world + s), prev_epoch, deadline, abort,
+                                  cutlass.Int32(STAGE_OWNER_REUSE), s, epoch)  # fmt: skip
+                if f != 0:
+                    s_fail[0] = cutlass.Int32(1)
+    cute.arch.sync_threads()
+    if s_fail[0] != 0:
+        if tid == 0:
+            meta[META_NUM_M_BLOCKS] = cutlass.Int32(0)  # the GEMMs get no tiles
+            meta[META_NUM_ROWS] = cutlass.Int32(0)
+            meta[META_NUM_PAIRS] = cutlass.Int32(0)
+    else:
+        first_e = rank * local_experts
+        cnt = cute.make_rmem_tensor((world,), cutlass.Int32)
+        total = cutlass.Int32(0)
+        for s in cutlass.range_constexpr(world):
+            cnt[s] = cutlass.Int32(0)
+            if tid < local_experts:
+                cnt[s] = _load_sys(_peer_ptr(cnt_tab, s, cutlass.Int32, 4) + (first_e + tid))
+            total = total + cnt[s]
+        padded = (total + (tile_m - 1)) // tile_m * tile_m
+        incl = _block_inclusive_scan(padded, s_scan, tid)
+        start = incl - padded
+        if tid < local_experts:
+            acc = start
+            for s in cutlass.range_constexpr(world):
+                row_base[s, tid] = acc
+                acc = acc + cnt[s]
+            first = start // tile_m
+            for b in cutlass.range(first, incl // tile_m):
+                valid = cutlass.min(total - (b - first) * tile_m, tile_m)
+                m_block_expert[b] = tid | (valid << 16)
+        if tid == constants.ROUTING_THREADS - 1:
+            meta[META_NUM_M_BLOCKS] = incl // tile_m
+            meta[META_NUM_ROWS] = incl
+        if tid == 0:
+            prefix = cutlass.Int32(0)
+            last_e = first_e + local_experts - 1
+            for s in cutlass.range_constexpr(world):
+                st_ptr = _peer_ptr(start_tab, s, cutlass.Int32, 4)
+                first_idx = _load_sys(st_ptr + first_e)
+                end_idx = _load_sys(st_ptr + last_e) + _load_sys(_peer_ptr(cnt_tab, s, cutlass.Int32, 4) + last_e)
+                src_meta[s, SRC_START] = first_idx
+                src_meta[s, SRC_TOTAL] = end_idx - first_idx
+                src_meta[s, SRC_PREFIX] = prefix
+                prefix = prefix + end_idx - first_idx
+            meta[META_NUM_PAIRS] = prefix
+
+
+@cute.kernel
+def ep_gather_kernel(
+    x_sym: cute.Tensor,  # (T_cap, H) bf16 symmetric (layout of every rank's copy)
+    x_tab: cute.Tensor,  # (R,) int64
+    send_tab: cute.Tensor,  # (R,) int64: every rank's send_list (P_cap, 2)
+    start_tab: cute.Tensor,  # (R,) int64: every rank's expert_start (E,)
+    row_base: cute.Tensor,  # (R, E_loc) int32 (own)
+    src_meta: cute.Tensor,  # (R, SRC_META_LEN) int32
+    meta: cute.Tensor,
+    a_buf: cute.Tensor,  # (M_cap, H) bf16 symmetric (own)
+    rank: cutlass.Int32,
+    abort: cute.Tensor,
+    world: cutlass.Constexpr[int],
+    local_experts: cutlass.Constexpr[int],
+    top_k: cutlass.Constexpr[int],
+):
+    """One warp per received pair g: find its source s, read (pair, expert) from s's send list and
+    the token row from s's x_sym (16-byte peer reads), write it to a_buf[row_base[s, le] + j]."""
+    vec = constants.BF16_PER_16B
+    hidden = a_buf.shape[1]
+    tid, _, _ = cute.arch.thread_idx()
+    bid, _, _ = cute.arch.block_idx()
+    nblk, _, _ = cute.arch.grid_dim()
+    bdim, _, _ = cute.arch.block_dim()
+    if not _aborted(abort):
+        warps = bdim // 32
+        lane = tid % 32
+        num_pairs = meta[META_NUM_PAIRS]
+        first_e = rank * local_experts
+        frag = cute.make_rmem_tensor((vec,), a_buf.element_type)
+        for g in cutlass.range(bid * warps + tid // 32, num_pairs, nblk * warps):
+            src = cutlass.Int32(0)
+            for s in cutlass.range_constexpr(1, world):
+                if src_meta[s, SRC_PREFIX] <= g:
+                    src = cutlass.Int32(s)
+            i = src_meta[src, SRC_START] + g - src_meta[src, SRC_PREFIX]
+            lst = _peer_ptr(send_tab, src, cutlass.Int32, 8)
+            p = _load_sys(lst + 2 * i)
+            e = _load_sys(lst + (2 * i + 1))
+            j = i - _load_sys(_peer_ptr(start_tab, src, cutlass.Int32, 4) + e)
+            row = row_base[src, e - first_e] + j
+            t = p // top_k
+            row_addr = x_tab[src] + cutlass.Int64(t) * (x_sym.layout.stride[0] * 2)
+            for c in cutlass.range(lane, hidden // vec, 32):
+                src_vec = cute.make_tensor(
+                    cute.make_ptr(x_sym.element_type, row_addr + cutlass.Int64(c) * (vec * 2),
+                                  cute.AddressSpace.gmem, assumed_align=16),
+                    cute.make_layout(vec),
+                )  # fmt: skip
+                cute.autovec_copy(src_vec, frag)
+                cute.autovec_copy(frag, cute.local_tile(a_buf, (1, vec), (row, c)))
+        # a_buf is read next by TMA (async proxy): order these generic-proxy writes before it.
+        cute.arch.fence_proxy("async.global")
+
+
+@cute.kernel
+def ep_done_and_wait_kernel(
+    flags: cute.Tensor,  # (3, R) int32 symmetric (own)
+    flags_tab: cute.Tensor,  # (R,) int64
+    rank: cutlass.Int32,
+    epoch: cutlass.Int32,
+    timeout_ns: cutlass.Int64,
+    abort: cute.Tensor,
+    world: cutlass.Constexpr[int],
+):
+    """Owner role: done[rank] = epoch in every rank (y rows and row_base are final). Source role:
+    WAIT done[d] >= epoch for every owner d (stage 3)."""
+    tid, _, _ = cute.arch.thread_idx()
+    if not _aborted(abort):
+        if tid < world:
+            cute.arch.fence_acq_rel_sys()
+            ptr = _peer_ptr(flags_tab, tid, cutlass.Int32, 4) + (FLAG_DONE * world + rank)
+            cute.arch.store(ptr, epoch, sem="release", scope="sys")
+            deadline = cute.arch.globaltimer() + timeout_ns
+            _spin_wait_ge(flags.iterator + (FLAG_DONE * world + tid), epoch, deadline, abort,
+                          cutlass.Int32(STAGE_SOURCE_DONE), tid, epoch)  # fmt: skip
+
+
+# ------------------------------------------------------------------------- source side: combine
+@cute.kernel
+def ep_combine_kernel(
+    topk_ids: cute.Tensor,  # (T, K) int32
+    topk_weights: cute.Tensor,  # (T, K) fp32
+    pair_pos: cute.Tensor,  # (P_cap,) int32
+    row_base_tab: cute.Tensor,  # (R,) int64: every rank's row_base (R, E_loc)
+    y_tab: cute.Tensor,  # (R,) int64: every rank's a_buf (M_cap, H) = FC2 output
+    out: cute.Tensor,  # (T, H) bf16
+    rank: cutlass.Int32,
+    abort: cute.Tensor,
+    world: cutlass.Constexpr[int],
+    local_experts: cutlass.Constexpr[int],
+    top_k: cutlass.Constexpr[int],
+):
+    """out[t] = bf16(sum_k w[t,k] * float(y_owner[row])), k in order, fp32, no atomics."""
+    vec = constants.BF16_PER_16B
+    hidden = out.shape[1]
+    num_tokens = out.shape[0]
+    tid, _, _ = cute.arch.thread_idx()
+    bid, _, _ = cute.arch.block_idx()
+    nblk, _, _ = cute.arch.grid_dim()
+    bdim, _, _ = cute.arch.block_dim()
+    if not _aborted(abort):
+        warps = bdim // 32
+        lane = tid % 32
+        frag_in = cute.make_rmem_tensor((vec,), out.element_type)
+        frag_out = cute.make_rmem_tensor((vec,), out.element_type)
+        for t in cutlass.range(bid * warps + tid // 32, num_tokens, nblk * warps):
+            addr = cute.make_rmem_tensor((top_k,), cutlass.Int64)
+            wts = cute.make_rmem_tensor((top_k,), cutlass.Float32)
+            for k in cutlass.range_constexpr(top_k):
+                e = topk_ids[t, k]
+                d = e // local_experts
+                le = e - d * local_experts
+                rb = _peer_ptr(row_base_tab, d, cutlass.Int32, 4)
+                row = _load_sys(rb + (rank * local_experts + le)) + pair_pos[t * top_k + k]
+                addr[k] = y_tab[d] + cutlass.Int64(row) * (hidden * 2)
+                wts[k] = topk_weights[t, k]
+            for c in cutlass.range(lane, hidden // vec, 32):
+                acc = cute.make_rmem_tensor((vec,), cutlass.Float32)
+                acc.fill(0.0)
+                for k in cutlass.range_constexpr(top_k):
+                    src = cute.make_tensor(
+                        cute.make_ptr(out.element_type, addr[k] + cutlass.Int64(c) * (vec * 2),
+                                      cute.AddressSpace.gmem, assumed_align=16),
+                        cute.make_layout(vec),
+                    )  # fmt: skip
+                    cute.autovec_copy(src, frag_in)
+                    acc.store(acc.load() + wts[k] * frag_in.load().to(cutlass.Float32))
+                frag_out.store(acc.load().to(out.element_type))
+                cute.autovec_copy(frag_out, cute.local_tile(out, (1, vec), (t, c)))

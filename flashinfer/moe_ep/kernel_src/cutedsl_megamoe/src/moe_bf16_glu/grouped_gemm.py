@@ -1,0 +1,502 @@
+"""Persistent warp-specialized grouped GEMM for Hopper (TMA + WGMMA), scheduled on the device.
+
+C[rows of M block b] = A[rows of b] @ B[expert(b)].T for every M block b of the permuted row space.
+
+- A: (M_cap, K) bf16, K-major (the permuted activations); M blocks never straddle experts.
+- B: (N, K, E) bf16, K-major (the expert weights viewed with the expert as batch coordinate).
+- C: (M_cap, N_out) bf16, written through smem with TMA stores (or, ``epi_direct``, straight
+  from registers with 32-bit stores).
+- ``m_block_expert[b]`` (packed: expert in bits 0..15, rows holding real pairs in bits 16..31)
+  and ``meta[0]`` (number of M blocks) come from the routing kernel, so the tile count is only
+  known on the device: the grid is persistent (one CTA per SM) and every CTA walks the linear
+  tile index ``tile = b * n_tiles + n`` with a grid stride. A consumer warpgroup whose 64 rows are
+  all expert padding skips its MMAs (it still walks the pipeline) and, with the direct epilogue,
+  its stores.
+- PDL: the prologue (barrier init, descriptor prefetch) runs before ``griddepcontrol.wait``.
+
+Warp roles: warpgroup 0 is the producer (warp 0 issues TMA loads into a multi-stage mbarrier
+pipeline, registers released with setmaxnreg); warpgroups 1..W are consumers, each owning 64 rows
+of the tile, running WGMMA and then the epilogue.
+
+Epilogues: ``plain`` stores the accumulator as bf16. A gated activation expects B rows interleaved
+per N tile (first half gate, second half up, see ``weights.interleave_gate_up``), so one thread
+holds gate and up of the same output column in its accumulator fragment; it writes an N tile of
+half the width. ``relu2`` applies relu(h)^2 on a full-width tile.
+"""
+
+# No `from __future__ import annotations`: cute.struct reads its annotations as objects.
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from ..common import constants
+from ..src import activations
+
+EPI_PLAIN = "plain"
+
+
+class GroupedGemmSm90:
+    """One grouped GEMM stage (FC1 or FC2) of the MoE; compile-time knobs only."""
+
+    def __init__(
+        self,
+        tile_m: int,
+        tile_n: int,
+        epilogue: str,
+        limit: float | None,
+        num_sms: int,
+        ab_stages: int | None = None,
+        epi_direct: bool = False,
+        cluster_m: int = 1,
+    ) -> None:
+        if tile_m not in (64, 128, 256):
+            raise ValueError(f"tile_m must be 64, 128 or 256, got {tile_m}")
+        if tile_n not in (64, 128, 192, 256):
+            raise ValueError(f"tile_n must be 64/128/192/256, got {tile_n}")
+        if cluster_m not in (1, 2) or num_sms % cluster_m:
+            raise ValueError(f"cluster_m must be 1 or 2 and divide num_sms, got {cluster_m}")
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+        # Cluster of cluster_m CTAs along M: consecutive M blocks of one expert (the routing pads
+        # experts to tile_m * cluster_m rows) share each B tile, loaded once by TMA multicast
+        # (each CTA loads 1/cluster_m of it for all), halving weight traffic from L2/HBM.
+        self.cluster_m = cluster_m
+        self.tile_k = constants.TILE_K
+        self.epilogue = epilogue
+        self.gated = epilogue in constants.GATED_ACTIVATIONS
+        if self.gated and tile_n % 32 != 0:
+            raise ValueError("gated epilogue needs tile_n % 32 == 0")
+        # Output columns per tile: the gated epilogue halves the width.
+        self.tile_n_out = tile_n // 2 if self.gated else tile_n
+        self.limit = limit
+        self.num_sms = num_sms
+        self.acc_dtype = cutlass.Float32
+        # Consumer warpgroups: 1 for 64 rows, else 2. The MMA atoms (64 rows each) alternate between
+        # them: with tile_m=256 warpgroup w owns rows [64w, 64w+64) and [128+64w, 192+64w), and
+        # each B tile serves twice the rows (half the weight traffic of tile_m=128).
+        self.num_mma_wg = 1 if tile_m == 64 else 2
+        if tile_m * tile_n // (self.num_mma_wg * 128) > 128:
+            # More than 128 fp32 accumulators per thread spill (measured: 5x slower).
+            raise ValueError(f"tile {tile_m}x{tile_n} needs > 128 accumulator registers per thread")
+        self.threads_per_wg = 128
+        self.num_threads = (1 + self.num_mma_wg) * self.threads_per_wg
+        self.num_mma_threads = self.num_mma_wg * self.threads_per_wg
+        self.producer_regs = 40
+        self.consumer_regs = 232 if self.num_mma_wg > 1 else 240
+        # Direct epilogue: each thread stores its fragment straight to global memory (no smem, no
+        # barriers between the consumer warpgroups); otherwise stmatrix -> smem -> TMA store.
+        self.epi_direct = epi_direct
+        self.epi_stages = 1 if epi_direct else 2
+        self.ab_stages_override = ab_stages
+        self.debug_print = False
+        self.smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
+        # Named barrier 1 syncs the consumer warpgroups around the epilogue smem buffers.
+        self.epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
+
+    # ---------------------------------------------------------------- host-side setup (traced)
+    def _setup(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor) -> None:
+        self.ab_dtype = a.element_type
+        self.c_dtype = c.element_type
+        self.a_layout = utils.LayoutEnum.from_tensor(a)
+        self.b_layout = utils.LayoutEnum.from_tensor(b)
+        self.c_layout = utils.LayoutEnum.from_tensor(c)
+        atom_layout = (self.num_mma_wg, 1, 1)
+        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype,
+            self.ab_dtype,
+            self.a_layout.sm90_mma_major_mode(),
+            self.b_layout.sm90_mma_major_mode(),
+            self.acc_dtype,
+            atom_layout,
+            tiler_mn=(64, self.tile_n),
+        )
+        # Same thread layout over the output tile: its C fragment is the first half of the full one.
+        self.tiled_mma_out = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype,
+            self.ab_dtype,
+            self.a_layout.sm90_mma_major_mode(),
+            self.b_layout.sm90_mma_major_mode(),
+            self.acc_dtype,
+            atom_layout,
+            tiler_mn=(64, self.tile_n_out),
+        )
+        self.mma_tiler = (self.tile_m, self.tile_n, self.tile_k)
+        self.out_tiler = (self.tile_m, self.tile_n_out)
+        self.epi_tile = (min(self.tile_m, 128) if self.num_mma_wg > 1 else 64, 32)
+        if self.tile_n_out % 32 != 0:
+            raise ValueError("output tile width must be a multiple of 32")
+
+        ab_bytes = (self.tile_m + self.tile_n) * self.tile_k * self.ab_dtype.width // 8
+        epi_bytes = self.epi_tile[0] * self.epi_tile[1] * self.c_dtype.width // 8 * self.epi_stages
+        # Barriers and the 1 KiB alignment of each of the three buffers.
+        epi_bytes += 1024 * 3 + 256
+        if self.ab_stages_override is not None:
+            self.ab_stages = self.ab_stages_override
+        else:
+            self.ab_stages = min(8, (self.smem_capacity - epi_bytes) // ab_bytes)
+        self.a_smem_layout = sm90_utils.make_smem_layout_a(self.a_layout, self.mma_tiler, self.ab_dtype, self.ab_stages)
+        self.b_smem_layout = sm90_utils.make_smem_layout_b(self.b_layout, self.mma_tiler, self.ab_dtype, self.ab_stages)
+        self.epi_smem_layout = sm90_utils.make_smem_layout_epi(
+            self.c_dtype, self.c_layout, self.epi_tile, self.epi_stages
+        )
+
+    def launch(
+        self,
+        a: cute.Tensor,
+        b: cute.Tensor,
+        c: cute.Tensor,
+        m_block_expert: cute.Tensor,
+        meta: cute.Tensor,
+        stream,
+        use_pdl: bool = False,
+    ) -> None:
+        """Trace-time: build TMA descriptors and launch the persistent kernel on ``stream``."""
+        self._setup(a, b, c)
+        a_smem_one = cute.slice_(self.a_smem_layout, (None, None, 0))
+        b_smem_one = cute.slice_(self.b_smem_layout, (None, None, 0))
+        epi_smem_one = cute.slice_(self.epi_smem_layout, (None, None, 0))
+        tma_a, tma_tensor_a = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), a, a_smem_one, (self.tile_m, self.tile_k)
+        )
+        b_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_m > 1 else cpasync.CopyBulkTensorTileG2SOp()
+        tma_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
+            b_op, b, b_smem_one, (self.tile_n, self.tile_k), num_multicast=self.cluster_m
+        )
+        tma_c, tma_tensor_c = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), c, epi_smem_one, self.epi_tile
+        )
+        self.tma_bytes = cute.size_in_bytes(self.ab_dtype, a_smem_one) + cute.size_in_bytes(self.ab_dtype, b_smem_one)
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
+            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_layout)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_layout)], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(self.epi_smem_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        self.kernel(
+            tma_a,
+            tma_tensor_a,
+            tma_b,
+            tma_tensor_b,
+            tma_c,
+            tma_tensor_c,
+            c,
+            m_block_expert,
+            meta,
+            self.tiled_mma,
+            self.tiled_mma_out,
+            self.a_smem_layout,
+            self.b_smem_layout,
+            self.epi_smem_layout,
+        ).launch(
+            grid=[self.num_sms, 1, 1],
+            block=[self.num_threads, 1, 1],
+            cluster=[self.cluster_m, 1, 1],
+            min_blocks_per_mp=1,
+            stream=stream,
+            use_pdl=use_pdl,
+        )
+
+    # ---------------------------------------------------------------- device code
+    @cute.kernel
+    def kernel(
+        self,
+        tma_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        tma_c: cute.CopyAtom,
+        mC: cute.Tensor,
+        mC_plain: cute.Tensor,
+        m_block_expert: cute.Tensor,
+        meta: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        tiled_mma_out: cute.TiledMma,
+        a_smem_layout: cute.ComposedLayout,
+        b_smem_layout: cute.ComposedLayout,
+        epi_smem_layout: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        grid_x, _, _ = cute.arch.grid_dim()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
+
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+            cpasync.prefetch_descriptor(tma_c)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+
+        # Cluster along M: a stage's B buffer is filled by both CTAs' multicasts, so it is free only
+        # once the consumers of both CTAs released it (each consumer warp arrives in both CTAs).
+        cta_layout_mnk = cute.make_layout((self.cluster_m, 1, 1))
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster_coord = cta_layout_mnk.get_flat_coord(cta_rank)
+        b_mcast_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=0)
+        producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+        consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.cluster_m * self.num_mma_wg * 4)
+        ab_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar.data_ptr(),
+            num_stages=self.ab_stages,
+            producer_group=producer_group,
+            consumer_group=consumer_group,
+            tx_count=self.tma_bytes,
+            cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)),
+            defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, 1), is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
+        sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
+        sC = storage.sC.get_tensor(epi_smem_layout.outer, swizzle=epi_smem_layout.inner)
+
+        # (bM, bK, RestM, RestK) / (bN, bK, RestN, RestK, E) / (bM, bNout, RestM, RestNout)
+        gA = cute.local_tile(mA, (self.tile_m, self.tile_k), (None, None))
+        gB = cute.local_tile(mB, (self.tile_n, self.tile_k), (None, None, None))
+        gC = cute.local_tile(mC, self.out_tiler, (None, None))
+        gC_plain = cute.local_tile(mC_plain, self.out_tiler, (None, None))
+
+        tAsA, tAgA = cpasync.tma_partition(
+            tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+        )
+        tBsB, tBgB = cpasync.tma_partition(
+            tma_b,
+            cluster_coord[0],
+            cute.make_layout(self.cluster_m),
+            cute.group_modes(sB, 0, 2),
+            cute.group_modes(gB, 0, 2),
+        )
+
+        k_tiles = cute.size(gA, mode=[3])
+        n_tiles = cute.size(gB, mode=[2])
+
+        pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster_m, 1))
+        # PDL: the prologue above overlapped the previous kernel; its outputs are read below.
+        cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.griddepcontrol_wait()
+        # Cluster tiles: (group of cluster_m M blocks, n); this CTA takes block cluster_m*g + rank.
+        num_tiles = meta[0] // self.cluster_m * n_tiles
+        first_tile = bidx // self.cluster_m
+        tile_stride = grid_x // self.cluster_m
+
+        if wg_idx == 0:
+            # ------------------------------------------------------------ producer warpgroup
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+                tile = first_tile
+                while tile < num_tiles:
+                    grp = tile // n_tiles
+                    n_blk = tile - grp * n_tiles
+                    m_blk = grp * self.cluster_m + cluster_coord[0]
+                    expert = m_block_expert[m_blk] & 0xFFFF
+                    for k in cutlass.range(k_tiles, unroll=1):
+                        ab_pipe.producer_acquire(prod_state)
+                        bar = ab_pipe.producer_get_barrier(prod_state)
+                        cute.copy(
+                            tma_a,
+                            tAgA[(None, m_blk, k)],
+                            tAsA[(None, prod_state.index)],
+                            tma_bar_ptr=bar,
+                        )
+                        cute.copy(
+                            tma_b,
+                            tBgB[(None, n_blk, k, expert)],
+                            tBsB[(None, prod_state.index)],
+                            tma_bar_ptr=bar,
+                            mcast_mask=b_mcast_mask if self.cluster_m > 1 else 0,
+                        )
+                        ab_pipe.producer_commit(prod_state)
+                        prod_state.advance()
+                    tile += tile_stride
+                ab_pipe.producer_tail(prod_state)
+        else:
+            # ------------------------------------------------------------ consumer warpgroups
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            mma_tidx = tidx - self.threads_per_wg
+            wg_thread_layout = cute.make_layout(self.num_mma_wg, stride=self.threads_per_wg)
+            thr_mma = tiled_mma.get_slice(wg_thread_layout(wg_idx - 1))
+            thr_mma_out = tiled_mma_out.get_slice(wg_thread_layout(wg_idx - 1))
+
+            tCsA = thr_mma.partition_A(sA)
+            tCsB = thr_mma.partition_B(sB)
+            tCrA = tiled_mma.make_fragment_A(tCsA)
+            tCrB = tiled_mma.make_fragment_B(tCsB)
+            acc_shape = thr_mma.partition_shape_C((self.tile_m, self.tile_n))
+            acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+            if cutlass.const_expr(self.epilogue == EPI_PLAIN):
+                acc_out = acc  # no transform: store the accumulator itself
+            else:
+                out_shape = thr_mma_out.partition_shape_C(self.out_tiler)
+                acc_out = cute.make_rmem_tensor(out_shape, self.acc_dtype)
+            # Direct epilogue: per-thread view of the C tile (the MMA slices are per warpgroup),
+            # two bf16 (one 32-bit store) per access, matching the accumulator fragment.
+            r_out = cute.make_rmem_tensor(acc_out.shape, self.c_dtype)
+            store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.c_dtype, num_bits_per_copy=32)
+            tiled_store = cute.make_tiled_copy_C(store_atom, tiled_mma_out)
+            thr_store = tiled_store.get_slice(mma_tidx)
+            tDrC = tiled_store.retile(r_out)
+            if cutlass.const_expr(self.debug_print):
+                print("acc", acc.layout, "acc_out", acc_out.layout)
+
+            # Epilogue: registers -> smem (stmatrix) -> gmem (TMA store), epi_tile at a time.
+            r2s_atom = sm90_utils.get_smem_store_op(self.c_layout, self.c_dtype, self.acc_dtype)
+            stm_atom = cute.make_copy_atom(
+                cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype
+            )
+            tiled_r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stm_atom, tiled_mma_out))
+            thr_r2s = tiled_r2s.get_slice(mma_tidx)
+            tRS_sC = thr_r2s.partition_D(sC)
+            tRS_acc = tiled_r2s.retile(acc_out)
+            rD_shape = cute.shape(thr_r2s.partition_S(sC))
+            tRS_rD = cute.make_rmem_tensor(rD_shape[:3], self.acc_dtype)
+            tRS_rD_out = cute.make_rmem_tensor(rD_shape[:3], self.c_dtype)
+            store_pipe = pipeline.PipelineTmaStore.create(
+                num_stages=self.epi_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
+            )
+
+            num_kb = cute.size(tCrA, mode=[2])
+            read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+            release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+            epi_count = cutlass.Int32(0)
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+            tile = first_tile
+            while tile < num_tiles:
+                grp = tile // n_tiles
+                n_blk = tile - grp * n_tiles
+                m_blk = grp * self.cluster_m + cluster_coord[0]
+                # Rows of this M block that hold real pairs (the rest is expert padding): a
+                # warpgroup whose 64 rows are all padding skips its MMAs and its stores.
+                valid_rows = m_block_expert[m_blk] >> 16
+                active = valid_rows > (wg_idx - 1) * 64  # its first 64-row atom holds real rows
+
+                # ---- mainloop: keep one WGMMA batch in flight, release the stage before it.
+                acc.fill(0.0)
+                warpgroup.fence()
+                ab_pipe.consumer_wait(read_state)
+                if active:
+                    for kb in cutlass.range_constexpr(num_kb):
+                        cute.gemm(
+                            tiled_mma,
+                            acc,
+                            tCrA[(None, None, kb, read_state.index)],
+                            tCrB[(None, None, kb, read_state.index)],
+                            acc,
+                        )
+                warpgroup.commit_group()
+                read_state.advance()
+                for _k in cutlass.range(1, k_tiles, unroll=1):
+                    ab_pipe.consumer_wait(read_state)
+                    if active:
+                        for kb in cutlass.range_constexpr(num_kb):
+                            cute.gemm(
+                                tiled_mma,
+                                acc,
+                                tCrA[(None, None, kb, read_state.index)],
+                                tCrB[(None, None, kb, read_state.index)],
+                                acc,
+                            )
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(1)
+                    ab_pipe.consumer_release(release_state)
+                    release_state.advance()
+                    read_state.advance()
+                warpgroup.wait_group(0)
+                ab_pipe.consumer_release(release_state)
+                release_state.advance()
+
+                # ---- epilogue math in registers
+                self._epilogue_math(acc, acc_out)
+
+                # ---- store
+                if cutlass.const_expr(self.epi_direct):
+                    if active:
+                        tDgC = thr_store.partition_D(gC_plain[(None, None, m_blk, n_blk)])
+                        r_out.store(acc_out.load().to(self.c_dtype))
+                        cute.copy(tiled_store, tDrC, tDgC)
+                else:
+                    epi_count = self._tma_epilogue(
+                        tma_c,
+                        gC,
+                        sC,
+                        m_blk,
+                        n_blk,
+                        warp_idx,
+                        tiled_r2s,
+                        tRS_sC,
+                        tRS_acc,
+                        tRS_rD,
+                        tRS_rD_out,
+                        store_pipe,
+                        epi_count,
+                    )
+                tile += tile_stride
+            store_pipe.producer_tail()
+
+    @cute.jit
+    def _tma_epilogue(
+        self,
+        tma_c: cute.CopyAtom,
+        gC: cute.Tensor,
+        sC: cute.Tensor,
+        m_blk: cutlass.Int32,
+        n_blk: cutlass.Int32,
+        warp_idx: cutlass.Int32,
+        tiled_r2s: cute.TiledCopy,
+        tRS_sC: cute.Tensor,
+        tRS_acc: cute.Tensor,
+        tRS_rD: cute.Tensor,
+        tRS_rD_out: cute.Tensor,
+        store_pipe: pipeline.PipelineTmaStore,
+        epi_count: cutlass.Int32,
+    ) -> cutlass.Int32:
+        """registers -> smem (stmatrix) -> gmem (TMA store), one epi_tile at a time."""
+        gC_epi = cute.zipped_divide(gC[(None, None, m_blk, n_blk)], self.epi_tile)
+        bSG_sC, bSG_gC = cpasync.tma_partition(tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi)
+        epi_n = cute.size(gC_epi, mode=[1])
+        epi_shape = gC_epi.shape[1]
+        epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+        rd_size = cute.size(tRS_rD)
+        for e in cutlass.range_constexpr(epi_n):
+            for v in cutlass.range_constexpr(rd_size):
+                tRS_rD[v] = tRS_acc[e * rd_size + v]
+            tRS_rD_out.store(tRS_rD.load().to(self.c_dtype))
+            buf = epi_count % self.epi_stages
+            cute.copy(tiled_r2s, tRS_rD_out, tRS_sC[(None, None, None, buf)])
+            cute.arch.fence_proxy("async.shared", space="cta")
+            self.epi_barrier.arrive_and_wait()
+            if warp_idx == 4:
+                cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, epi_layout.get_hier_coord(e))])
+                store_pipe.producer_commit()
+                store_pipe.producer_acquire()
+            self.epi_barrier.arrive_and_wait()
+            epi_count += 1
+        return epi_count
+
+    def _epilogue_math(self, acc: cute.Tensor, acc_out: cute.Tensor) -> None:
+        """Fill the fp32 output fragment from the accumulator (trace-time unrolled)."""
+        if self.gated:
+            # Fragment mode 0 is ((2, 2, N/8)): the N/8 column groups of 8. The gate half of the
+            # tile is column groups [0, N/16), the up half [N/16, N/8): same thread, same slot.
+            half_groups = self.tile_n // 16
+            n_mm = cute.size(acc, mode=[1])
+            for mm in range(n_mm):
+                for j in range(half_groups):
+                    for v1 in range(2):
+                        for v0 in range(2):
+                            g = acc[((v0, v1, j), mm, 0)]
+                            u = acc[((v0, v1, j + half_groups), mm, 0)]
+                            acc_out[((v0, v1, j), mm, 0)] = activations.gated_act(self.epilogue, g, u, self.limit)
+        elif self.epilogue != EPI_PLAIN:
+            for i in range(cute.size(acc)):
+                acc_out[i] = activations.plain_act(self.epilogue, acc[i])

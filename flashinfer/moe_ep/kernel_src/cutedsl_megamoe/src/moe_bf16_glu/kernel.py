@@ -1,0 +1,148 @@
+"""``Sm90MegaMoEBf16Kernel``: the whole BF16 MoE expert computation as one traced host function.
+
+``__call__`` enqueues five kernels on the stream with no host synchronization:
+
+1. routing (G1 = num_sms CTAs): per-CTA expert histograms and slot reservations; the last CTA
+   computes the padded per-expert offsets, the expert of every M block and the block count;
+2. gather: final row of every (token, k) pair, ``a_buf[row] = x[token]``;
+3. FC1 grouped GEMM with the activation fused in the epilogue -> ``h_buf`` [M_cap, I];
+4. FC2 grouped GEMM -> ``a_buf`` reused as y [M_cap, H];
+5. combine: ``out[t] = bf16(sum_k w[t,k] * y[pair_row[t,k]])``, k in order, no atomics.
+
+The token count T is a symbolic extent: one compiled library serves every 0 <= T <= max_tokens,
+where max_tokens sized the workspace (``common.host_utils.moe_bf16_workspace_spec``).
+"""
+
+import cutlass
+import cutlass.cute as cute
+
+from ..common import constants
+from . import aux_kernels
+from .grouped_gemm import EPI_PLAIN, GroupedGemmSm90
+
+
+class Sm90MegaMoEBf16Kernel:
+    """Compile-time knobs of the BF16 MoE kernel (world size 1).
+
+    :param activation: one of ``common.constants.ACTIVATIONS``.
+    :param limit: clamp limit for swiglu (DeepSeek-V4 style) or swiglu_oai (default 7.0); None = off.
+    :param tile_m: rows per M tile (64, 128 or 256); each expert's rows are padded to a multiple of it.
+    :param fc1_tile_n: FC1 N tile over the interleaved w13 rows (the activation output tile is half
+        as wide for gated activations). w13 must be preprocessed with
+        ``weights.interleave_gate_up(w13, fc1_tile_n)`` for gated activations.
+    :param fc2_tile_n: FC2 N tile (over H).
+    :param num_sms: persistent grid size of the GEMMs (132 on H200).
+    :param fc1_stages, fc2_stages: TMA pipeline depths (None: as many as shared memory allows).
+    :param use_pdl: launch with programmatic dependent launch (each kernel's prologue overlaps the
+        previous kernel's tail; every kernel waits on ``griddepcontrol.wait`` before its reads).
+    :param epi_direct: GEMM epilogues store registers straight to global memory (True) or go
+        through shared memory and TMA stores (False, default: measured faster on H200).
+    :param aux_vpt: 16-byte vectors per thread item in the gather and combine kernels (H must be
+        a multiple of 8 * aux_vpt).
+    :param cluster_m: 1, or 2 for clusters of 2 CTAs along M sharing each weight tile through TMA
+        multicast (experts then padded to 2 * tile_m rows; pass the same value to the workspace spec).
+    :param stage_mask: debugging/profiling only: bit i enables stage i (routing, gather, FC1,
+        FC2, combine); anything but 0b11111 gives wrong results (and masking out routing leaves
+        ``expert_count`` non-zero).
+
+    Measured on H200 (swiglu, qwen3/deepseek shapes): ``tile_m=128, fc1_tile_n=256,
+    fc2_tile_n=256`` is fastest from about T*K >= 16*E tokens-pairs on (prefill);
+    ``tile_m=64, fc1_tile_n=128, fc2_tile_n=128`` below that (decode). One library per knob set.
+    """
+
+    def __init__(
+        self,
+        activation: str = constants.ACT_SWIGLU,
+        limit: float | None = None,
+        tile_m: int = 128,
+        fc1_tile_n: int = 128,
+        fc2_tile_n: int = 128,
+        num_sms: int = constants.DEFAULT_NUM_SMS,
+        fc1_stages: int | None = None,
+        fc2_stages: int | None = None,
+        use_pdl: bool = True,
+        epi_direct: bool = False,
+        aux_vpt: int = 4,
+        cluster_m: int = 1,
+        stage_mask: int = 0b11111,
+    ) -> None:
+        if activation not in constants.ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}")
+        self.activation = activation
+        self.limit = limit
+        self.tile_m = tile_m
+        self.num_sms = num_sms
+        self.aux_threads = 256
+        self.aux_grid = num_sms * 8
+        self.use_pdl = use_pdl
+        self.aux_vpt = aux_vpt
+        self.cluster_m = cluster_m
+        self.stage_mask = stage_mask
+        self.fc1 = GroupedGemmSm90(tile_m, fc1_tile_n, activation, limit, num_sms, fc1_stages, epi_direct, cluster_m)
+        self.fc2 = GroupedGemmSm90(tile_m, fc2_tile_n, EPI_PLAIN, None, num_sms, fc2_stages, epi_direct, cluster_m)
+
+    @staticmethod
+    def _expert_major_view(w: cute.Tensor) -> cute.Tensor:
+        # torch [E, N, K] (K contiguous) -> cute (N, K, E): the expert becomes the batch mode.
+        return cute.make_tensor(w.iterator, cute.select(w.layout, mode=[1, 2, 0]))
+
+    @cute.jit
+    def __call__(
+        self,
+        x: cute.Tensor,  # [T, H] bf16
+        topk_ids: cute.Tensor,  # [T, K] int32
+        topk_weights: cute.Tensor,  # [T, K] fp32
+        w13: cute.Tensor,  # [E, 2I, H] bf16, gate/up interleaved per fc1_tile_n ([E, I, H] relu2)
+        w2: cute.Tensor,  # [E, H, I] bf16
+        out: cute.Tensor,  # [T, H] bf16
+        pair_row: cute.Tensor,  # workspace, see host_utils.moe_bf16_workspace_spec
+        pair_rank: cute.Tensor,
+        expert_count: cute.Tensor,
+        cta_base: cute.Tensor,
+        expert_off: cute.Tensor,
+        m_block_expert: cute.Tensor,
+        meta: cute.Tensor,
+        a_buf: cute.Tensor,
+        h_buf: cute.Tensor,
+        stream,
+    ):
+        num_experts = w13.shape[0]
+        pdl = self.use_pdl
+        if cutlass.const_expr(self.stage_mask & 1):
+            aux_kernels.route_kernel(
+                topk_ids,
+                pair_rank,
+                expert_count,
+                cta_base,
+                expert_off,
+                m_block_expert,
+                meta,
+                num_experts,
+                self.tile_m,
+                self.tile_m * self.cluster_m,
+            ).launch(
+                grid=[self.num_sms, 1, 1],
+                block=[constants.ROUTING_THREADS, 1, 1],
+                stream=stream,
+                use_pdl=pdl,
+            )
+        if cutlass.const_expr(self.stage_mask & 2):
+            aux_kernels.gather_kernel(
+                x, topk_ids, pair_rank, expert_off, cta_base, pair_row, a_buf, self.num_sms, self.aux_vpt
+            ).launch(
+                grid=[self.aux_grid, 1, 1],
+                block=[self.aux_threads, 1, 1],
+                stream=stream,
+                use_pdl=pdl,
+            )
+        if cutlass.const_expr(self.stage_mask & 4):
+            self.fc1.launch(a_buf, self._expert_major_view(w13), h_buf, m_block_expert, meta, stream, pdl)
+        if cutlass.const_expr(self.stage_mask & 8):
+            self.fc2.launch(h_buf, self._expert_major_view(w2), a_buf, m_block_expert, meta, stream, pdl)
+        if cutlass.const_expr(self.stage_mask & 16):
+            aux_kernels.combine_kernel(a_buf, pair_row, topk_weights, out, topk_ids.shape[1], self.aux_vpt).launch(
+                grid=[self.aux_grid, 1, 1],
+                block=[self.aux_threads, 1, 1],
+                stream=stream,
+                use_pdl=pdl,
+            )

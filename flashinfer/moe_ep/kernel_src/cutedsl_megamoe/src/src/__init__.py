@@ -1,0 +1,1 @@
+"""Device-side helpers shared by the kernels of the drop (activations, vector copies)."""
