@@ -1,4 +1,4 @@
-"""``python -m flashinfer.moe_ep <command>``: demo (the main job), doctor, build, bench, update-drop."""
+"""``python -m flashinfer.moe_ep <command>``: demo (the main job), doctor, build, bench, tune, update-drop."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from ..errors import MoEEpError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import bench, build, demo, doctor, drop
+    from . import bench, build, demo, doctor, drop, tune
 
     parser = argparse.ArgumentParser(prog="python -m flashinfer.moe_ep", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (demo, doctor, build, bench, drop):
+    for module in (demo, doctor, build, bench, tune, drop):
         module.add_parser(sub)
     return parser
 

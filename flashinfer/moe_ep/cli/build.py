@@ -7,7 +7,7 @@ import json
 import time
 from typing import Any
 
-from ..backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl.backend import make_frontend
+from ..backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl import tuning
 from ..backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl.config import Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig
 from ..core.activations import ACTIVATIONS
 from ..core.contracts import CONTRACTS, get_contract
@@ -27,6 +27,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--world-size", type=int, default=1, help="EP ranks (experts per rank = E / world size)")
     p.add_argument("--knobs", default=None, help="JSON knobs, e.g. '{\"tile_m\": 64}' (default: the defaults)")
     p.add_argument("--cache", default=None, help="cache directory (default: $FLASHINFER_MOE_EP_KERNEL_CACHE)")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=16384,
+        help="layer capacity: every token bucket up to it gets its kernel (default 16384)",
+    )
+    p.add_argument("--device-name", default="NVIDIA H200", help="GPU whose knob-cache entries to build for")
     p.add_argument("--force", action="store_true", help="rebuild even when cached")
     p.set_defaults(func=run)
 
@@ -59,14 +66,19 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     root = Path(args.cache).expanduser() if args.cache else None
-    configs = _configs(args)
-    print(f"build: {len(configs)} variant(s) for {args.arch}")
-    for i, (name, cfg, e_local) in enumerate(configs, 1):
-        frontend = make_frontend(cfg, e_local)
+    context = tuning.tune_context_named(args.device_name, args.world_size)
+    jobs = []
+    for name, cfg, e_local in _configs(args):
+        profiles = tuning.layer_profiles(cfg, e_local, args.max_tokens, context)
+        for fe in profiles.distinct():
+            buckets = [b for b, f in profiles.frontends.items() if f is fe]
+            jobs.append((f"{name} [{'/'.join(buckets)}]", fe))
+    print(f"build: {len(jobs)} kernel(s) for {args.arch} (layer capacity {args.max_tokens} tokens)")
+    for i, (label, fe) in enumerate(jobs, 1):
         t0 = time.perf_counter()
-        print(f"[{i}/{len(configs)}] {name}: {frontend.key.dirname} ...", flush=True)
-        lib = frontend.build(root, force=args.force)
-        print(f"[{i}/{len(configs)}] {name}: {lib} ({time.perf_counter() - t0:.1f} s)", flush=True)
+        print(f"[{i}/{len(jobs)}] {label}: {tuning.describe_knobs(fe.knobs)} ...", flush=True)
+        lib = fe.build(root, force=args.force)
+        print(f"[{i}/{len(jobs)}] {label}: {lib} ({time.perf_counter() - t0:.1f} s)", flush=True)
     return 0
 
 

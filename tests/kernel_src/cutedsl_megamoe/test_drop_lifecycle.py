@@ -101,12 +101,12 @@ def test_file_edited_in_place_fails_the_manifest(tmp_path: Path) -> None:
 
 
 def test_update_copies_kernel_packages_only(tmp_path: Path) -> None:
-    from flashinfer.moe_ep.kernel_src.cutedsl_megamoe.shim.vendor import compute_manifest, read_vendor
+    compute_manifest, read_vendor = drop.vendor.compute_manifest, drop.read_vendor
 
     cand = _candidate(tmp_path)
     src_dir, vendor = tmp_path / "installed" / "src", tmp_path / "installed" / "VENDOR.md"
     src_dir.parent.mkdir()
-    shutil.copy(drop.shim.vendor.VENDOR_FILE, vendor)
+    shutil.copy(drop.vendor.VENDOR_FILE, vendor)
     report = drop.update_drop(cand, version="v99", src_dir=src_dir, vendor_file=vendor)
     assert report.applied and not report.problems
     assert sorted(p.name for p in src_dir.iterdir()) == ["__init__.py", "common", "moe_bf16_glu", "src"]

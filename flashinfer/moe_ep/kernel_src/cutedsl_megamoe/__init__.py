@@ -6,12 +6,20 @@ cutlass (kernels are compiled or loaded only when a frontend asks for them).
 
 from __future__ import annotations
 
-from .shim import comm, kernel_cache, kernel_helpers
+from .shim import autotune, comm, frontend, kernel_cache, kernel_helpers, knob_cache, tuner, vendor
 from .shim._paths import SRC_DIR
 from .shim.audit import audit_src
 from .shim.bf16 import Bf16Frontend, Bf16Knobs, default_bf16_knobs
 from .shim.drop_update import NEXT_STEPS, update_drop
-from .shim.frontend import ARCH, Geometry, KernelUnavailableError, dsl_available, prepare_compile_env, tvm_ffi_available
+from .shim.frontend import (
+    ARCH,
+    Geometry,
+    KernelUnavailableError,
+    allocate_shared_workspace,
+    dsl_available,
+    prepare_compile_env,
+    tvm_ffi_available,
+)
 from .shim.vendor import check_manifest, read_vendor
 
 __all__ = [
@@ -21,16 +29,22 @@ __all__ = [
     "Geometry",
     "NEXT_STEPS",
     "SRC_DIR",
+    "allocate_shared_workspace",
     "audit_src",
+    "autotune",
     "KernelUnavailableError",
     "check_manifest",
     "comm",
     "default_bf16_knobs",
     "dsl_available",
+    "frontend",
     "kernel_cache",
     "kernel_helpers",
+    "knob_cache",
     "prepare_compile_env",
     "read_vendor",
+    "tuner",
     "tvm_ffi_available",
     "update_drop",
+    "vendor",
 ]

@@ -14,24 +14,31 @@ from .frontend import Geometry, KernelFrontend
 
 @dataclass(frozen=True)
 class Bf16Knobs:
-    """Compile-time knobs of the BF16 kernel (all output-neutral: tiles, stages, persistent grid)."""
+    """Compile-time knobs of the BF16 kernel (all output-neutral: tiles, stages, grid, clusters).
+
+    ``cluster_m=2`` pairs two CTAs on consecutive M tiles of one expert so they share each weight tile
+    (TMA multicast); it pads expert segments to ``tile_m * cluster_m`` rows.
+    """
 
     tile_m: int = 128
-    fc1_tile_n: int = 128
-    fc2_tile_n: int = 128
+    fc1_tile_n: int = 256
+    fc2_tile_n: int = 256
     fc1_stages: int | None = None
     fc2_stages: int | None = None
     num_sms: int = 132
+    cluster_m: int = 1
+
+
+def _widest_tile(n: int) -> int:
+    return next(t for t in (256, 128, 64) if n % t == 0)
 
 
 def default_bf16_knobs(geometry: Geometry) -> Bf16Knobs:
-    """The widest N tiles that divide the problem (128, else 64); other knobs at their defaults."""
+    """The widest N tiles (256, 128, 64) that divide the problem, with 128-row M tiles: the fastest
+    prefill shape measured on the H200 (TUNING.md); other knobs at their defaults."""
     gated = geometry.activation in kh.constants.GATED_ACTIVATIONS
     fc1_n = 2 * geometry.intermediate if gated else geometry.intermediate
-    return Bf16Knobs(
-        fc1_tile_n=128 if fc1_n % 128 == 0 else 64,
-        fc2_tile_n=128 if geometry.hidden % 128 == 0 else 64,
-    )
+    return Bf16Knobs(fc1_tile_n=_widest_tile(fc1_n), fc2_tile_n=_widest_tile(geometry.hidden))
 
 
 class Bf16Frontend(KernelFrontend):
@@ -58,8 +65,12 @@ class Bf16Frontend(KernelFrontend):
                 f"FC1 N={fc1_n} must be a multiple of fc1_tile_n={k.fc1_tile_n} and "
                 f"hidden={g.hidden} of fc2_tile_n={k.fc2_tile_n}"
             )
-        if k.tile_m not in (64, 128):
-            raise ValueError(f"tile_m must be 64 or 128, got {k.tile_m}")
+        if k.tile_m not in (64, 128, 256):
+            raise ValueError(f"tile_m must be 64, 128 or 256, got {k.tile_m}")
+        if k.tile_m == 256 and 256 in (k.fc1_tile_n, k.fc2_tile_n):
+            raise ValueError("tile_m=256 with a 256-wide N tile spills registers (5x slower); use a 128-wide N tile")
+        if k.cluster_m not in (1, 2):
+            raise ValueError(f"cluster_m must be 1 or 2, got {k.cluster_m}")
 
     def _export(self, out_dir: Path, function_name: str) -> Path:
         g, k = self.geometry, self.knobs
@@ -72,13 +83,15 @@ class Bf16Frontend(KernelFrontend):
             num_sms=k.num_sms,
             fc1_stages=k.fc1_stages,
             fc2_stages=k.fc2_stages,
+            cluster_m=k.cluster_m,
         )
         return kh.export_moe_bf16(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)
 
     def workspace_spec(self, max_tokens: int) -> list[Any]:
         g = self.geometry
+        k = self.knobs
         return kh.moe_bf16_workspace_spec(
-            max_tokens, g.hidden, g.intermediate, g.num_experts, g.top_k, self.knobs.tile_m
+            max_tokens, g.hidden, g.intermediate, g.num_experts, g.top_k, k.tile_m, k.num_sms, k.cluster_m
         )
 
     def prepare_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

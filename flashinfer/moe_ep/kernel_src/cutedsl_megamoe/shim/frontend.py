@@ -139,10 +139,7 @@ class KernelFrontend(abc.ABC):
         return cmd
 
     def allocate_workspace(self, max_tokens: int, device: torch.device) -> dict[str, torch.Tensor]:
-        return {
-            spec.name: torch.empty(spec.shape, dtype=_DTYPES[spec.dtype], device=device)
-            for spec in self.workspace_spec(max_tokens)
-        }
+        return allocate_shared_workspace([self], max_tokens, device)[0]
 
     @staticmethod
     def workspace_bytes(specs: list[Any]) -> int:
@@ -155,4 +152,38 @@ class KernelFrontend(abc.ABC):
         return n
 
 
-__all__ = ["ARCH", "Geometry", "KernelFrontend", "KernelUnavailableError", "dsl_available", "prepare_compile_env"]
+def allocate_shared_workspace(
+    frontends: list[KernelFrontend], max_tokens: int, device: torch.device
+) -> list[dict[str, torch.Tensor]]:
+    """One set of buffers serving every frontend in ``frontends`` (a layer's token buckets), never two
+    at once: per buffer name, the largest size any of them needs; each frontend gets views of exactly
+    its own shapes at the start of each buffer. Zero-filled, so buffers that must start at zero do
+    (the kernels leave those at zero again after every call)."""
+    specs = [f.workspace_spec(max_tokens) for f in frontends]
+    sizes: dict[str, tuple[int, str]] = {}
+    for spec in (s for ss in specs for s in ss):
+        n = _numel(spec.shape)
+        have, dtype = sizes.get(spec.name, (0, spec.dtype))
+        if dtype != spec.dtype:
+            raise ValueError(f"workspace buffer {spec.name!r} is {dtype} in one variant and {spec.dtype} in another")
+        sizes[spec.name] = (max(have, n), dtype)
+    flat = {name: torch.zeros(max(n, 1), dtype=_DTYPES[dt], device=device) for name, (n, dt) in sizes.items()}
+    return [{s.name: flat[s.name][: _numel(s.shape)].view(s.shape) for s in ss} for ss in specs]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+__all__ = [
+    "ARCH",
+    "Geometry",
+    "KernelFrontend",
+    "KernelUnavailableError",
+    "allocate_shared_workspace",
+    "dsl_available",
+    "prepare_compile_env",
+]

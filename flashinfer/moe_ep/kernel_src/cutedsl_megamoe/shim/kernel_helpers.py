@@ -25,7 +25,8 @@ class SrcSymbol(NamedTuple):
 
 BF16_KERNEL_CALL = (
     "x", "topk_ids", "topk_weights", "w13", "w2", "out",
-    "pair_row", "row_token", "m_block_expert", "meta", "a_buf", "h_buf", "stream",
+    "pair_row", "pair_rank", "expert_count", "cta_base", "expert_off", "m_block_expert", "meta", "a_buf", "h_buf",
+    "stream",
 )  # fmt: skip
 
 SRC_SYMBOLS: dict[str, SrcSymbol] = {
@@ -59,10 +60,23 @@ SRC_SYMBOLS: dict[str, SrcSymbol] = {
             "num_sms",
             "fc1_stages",
             "fc2_stages",
+            "cluster_m",
         ),
         call_params=BF16_KERNEL_CALL,
     ),
     "export_moe_bf16": SrcSymbol("moe_bf16_glu.export", "export_moe_bf16", True, ("shim/bf16.py",)),
+    # expert parallelism (draft protocol; used by the loopback build script and its GPU test for now)
+    "ep_workspace": SrcSymbol("moe_bf16_glu.ep_workspace", "", False, ("scripts/build_ep_loopback.py", "tests")),
+    "Sm90MegaMoEBf16EpKernel": SrcSymbol(
+        "moe_bf16_glu.ep_kernel",
+        "Sm90MegaMoEBf16EpKernel",
+        True,
+        ("scripts/build_ep_loopback.py",),
+        init_params=("activation", "tile_m", "fc1_tile_n", "fc2_tile_n", "num_sms", "world_size", "ranks_per_gpu"),
+    ),
+    "export_moe_bf16_ep": SrcSymbol(
+        "moe_bf16_glu.ep_export", "export_moe_bf16_ep", True, ("scripts/build_ep_loopback.py",)
+    ),
 }
 
 

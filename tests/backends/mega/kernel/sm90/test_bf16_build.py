@@ -15,8 +15,8 @@ from flashinfer.moe_ep.backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl.backend 
 from flashinfer.moe_ep.cli import main as cli_main
 from flashinfer.moe_ep.core.contracts import CONTRACTS
 from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
-from flashinfer.moe_ep.kernel_src.cutedsl_megamoe.shim import frontend as frontend_mod
-from flashinfer.moe_ep.kernel_src.cutedsl_megamoe.shim import kernel_cache
+from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import frontend as frontend_mod
+from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import kernel_cache
 
 pytestmark = pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")
 
@@ -32,14 +32,15 @@ def _frontend(name: str = "tiny", **knobs):
 
 
 def test_build_every_default_variant_for_sm90a(tmp_path: Path, capsys) -> None:
+    """Every contract, every token bucket's default kernel (what a server with the defaults loads)."""
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     assert cli_main(["build", "--contract", "all", "--cache", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert f"[{len(CONTRACTS)}/{len(CONTRACTS)}]" in out
     keys = kernel_cache.entries(tmp_path)
-    assert len(keys) == len(CONTRACTS)
+    assert f"build: {len(keys)} kernel(s)" in out and f"[{len(keys)}/{len(keys)}]" in out
+    assert len(keys) >= len(CONTRACTS)
     for name in CONTRACTS:
-        lib = kernel_cache.lookup(_frontend(name).key, tmp_path)
+        lib = kernel_cache.lookup(_frontend(name).key, tmp_path)  # the prefill (primary) kernel
         assert lib is not None and lib.stat().st_size > 10_000
         assert b"__tvm_ffi_" in lib.read_bytes()  # the exported TVM-FFI symbol
 

@@ -11,28 +11,18 @@ from ......core.validation import check_expert_weights
 from ......errors import MoEEpBackendUnavailableError, MoEEpConfigError, MoEEpInputError
 from ....base import MegaKernelBackend
 from ..runtime import sm90_requirements
+from . import tuning
 from .config import Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig
 
 
 def make_frontend(config: Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig, num_local_experts: int) -> Any:
-    """The drop's BF16 frontend for ``config`` (also used by the build and bench commands)."""
+    """The drop's BF16 frontend for ``config``'s explicit knobs, else the base defaults (``None`` and
+    ``"auto"``); used by the build and bench commands. A layer uses ``tuning.layer_profiles``."""
     from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
 
-    geometry = drop.Geometry(
-        hidden=config.hidden_size,
-        intermediate=config.intermediate_size,
-        num_experts=num_local_experts,
-        top_k=config.top_k,
-        activation=config.activation,
-        activation_limit=config.activation_spec.effective_limit,
-    )
-    knobs = config.knobs
-    if isinstance(knobs, dict):
-        try:
-            knobs = drop.Bf16Knobs(**{**drop.default_bf16_knobs(geometry).__dict__, **knobs})
-        except TypeError as exc:
-            raise MoEEpConfigError(f"bad knobs for {config.kernel_name}: {exc}") from None
-    frontend = drop.Bf16Frontend(geometry, knobs)
+    geometry = tuning.make_geometry(config, num_local_experts)
+    explicit = config.knobs is not None and config.knobs != tuning.AUTO
+    frontend = drop.Bf16Frontend(geometry, tuning._as_knobs(config, geometry, config.knobs) if explicit else None)
     try:
         frontend.check()
     except ValueError as exc:
@@ -56,10 +46,19 @@ class Sm90Bf16CutedslBackend(MegaKernelBackend):
                 f"{self.config.kernel_name} runs at world_size 1 for now (got {self.world_size}); "
                 "use the reference backend for EP"
             )
-        self.frontend = make_frontend(self.config, self.num_local_experts)
+        # One frontend per token bucket, chosen per forward from the host-side T (tuning.py).
+        self.profiles = tuning.layer_profiles(
+            self.config, self.num_local_experts, self.fleet.max_tokens_per_rank, self._tune_context()
+        )
+        self.frontend = self.profiles.primary  # its layout knobs are the weights' layout
         self.w13: torch.Tensor | None = None
         self.w2: torch.Tensor | None = None
         self.workspace: dict[str, torch.Tensor] = {}
+        self._by_bucket: dict[str, tuple[Any, dict[str, torch.Tensor]]] = {}
+        self._tune_weights: MoEWeightPack | None = None  # natural layouts, kept until knobs="auto" tunes
+
+    def _tune_context(self) -> Any:
+        return tuning.tune_context(self.device, self.world_size)
 
     def preprocess_weights(self, weights: MoEWeightPack) -> None:
         c = self.config
@@ -76,30 +75,73 @@ class Sm90Bf16CutedslBackend(MegaKernelBackend):
             device=self.device,
         )
         self.w13, self.w2 = self.frontend.prepare_weights(weights.w13, weights.w2)
+        if c.knobs == tuning.AUTO:
+            self._tune_weights = weights
 
     def allocate_workspace(self) -> None:
-        """One workspace per (kernel variant, capacity, device), shared by every layer that matches."""
-        from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import comm
+        """One workspace per (kernel variants, capacity, device), shared by every layer that matches
+        and by every token bucket of the layer (each bucket gets views of its own shapes)."""
+        from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import allocate_shared_workspace, comm
 
         cap = self.fleet.max_tokens_per_rank
-        self._workspace_key = (self.frontend.key.digest(), cap, str(self.device))
+        frontends = self.profiles.distinct()
+        digests = tuple(fe.key.digest() for fe in frontends)
+        self._workspace_key = (digests, cap, str(self.device))
 
-        def make() -> dict[str, torch.Tensor]:
+        def make() -> dict[str, dict[str, torch.Tensor]]:
             with torch.cuda.device(self.device):
-                return self.frontend.allocate_workspace(cap, self.device)
+                views = allocate_shared_workspace(frontends, cap, self.device)
+            return dict(zip(digests, views, strict=True))
 
-        self.workspace = comm.WORKSPACES.acquire(self._workspace_key, make)
+        shared = comm.WORKSPACES.acquire(self._workspace_key, make)
+        ws_of = {id(fe): shared[d] for fe, d in zip(frontends, digests, strict=True)}
+        self._by_bucket = {name: (fe, ws_of[id(fe)]) for name, fe in self.profiles.frontends.items()}
+        self.workspace = ws_of[id(self.frontend)]
 
-    def _load(self) -> None:
+    def _load(self, frontend: Any = None) -> None:
         from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import KernelUnavailableError
 
         try:
-            self.frontend.load()
+            (frontend or self.frontend).load()
         except KernelUnavailableError as exc:
             raise MoEEpBackendUnavailableError(str(exc)) from None
 
+    def _autotune(self) -> None:
+        """knobs="auto": tune every bucket, record the winners, re-lay weights and workspace."""
+        c, weights = self.config, self._tune_weights
+        assert weights is not None, "preprocess_weights keeps the natural weights for knobs='auto'"
+        cap = self.fleet.max_tokens_per_rank
+        from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import tuner
+
+        results = tuning.autotune_profiles(
+            c,
+            self.num_local_experts,
+            [tuner.tune_tokens(b, cap) for b in self.profiles.buckets],
+            weights.w13,
+            weights.w2,
+            self.device,
+            context=self._tune_context(),
+            rank=self.bootstrap.rank,
+            world_size=self.world_size,
+        )
+        self.profiles = tuning.layer_profiles(
+            c,
+            self.num_local_experts,
+            cap,
+            self._tune_context(),
+            chosen={name: r.winner for name, r in results.items()},
+        )
+        self.frontend = self.profiles.primary
+        self.destroy()  # releases weights and workspace; both are rebuilt for the winners
+        self.preprocess_weights(weights)
+        self.allocate_workspace()
+        self._tune_weights = None
+
     def warmup(self) -> None:
-        self._load()
+        if self._tune_weights is not None:
+            self._autotune()
+        for fe in self.profiles.distinct():
+            self._load(fe)
         c = self.config
         t = min(8, self.fleet.max_tokens_per_rank)
         x = torch.randn(t, c.hidden_size, device=self.device).to(torch.bfloat16)
@@ -110,11 +152,15 @@ class Sm90Bf16CutedslBackend(MegaKernelBackend):
         torch.cuda.synchronize(self.device)
 
     def compute(self, staged: MoEEpTensors, output: torch.Tensor) -> torch.Tensor:
-        if staged.hidden_states.shape[0] == 0:
+        t = staged.hidden_states.shape[0]
+        if t == 0:
             return output  # nothing to do at world size 1
-        self._load()
-        return self.frontend.launch(
-            staged.hidden_states, staged.topk_ids, staged.topk_weights, self.w13, self.w2, output, self.workspace
+        from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import tuner
+
+        frontend, workspace = self._by_bucket[tuner.bucket_of(t)]  # a host-side shape: no device sync
+        self._load(frontend)
+        return frontend.launch(
+            staged.hidden_states, staged.topk_ids, staged.topk_weights, self.w13, self.w2, output, workspace
         )
 
     def destroy(self) -> None:
@@ -124,6 +170,7 @@ class Sm90Bf16CutedslBackend(MegaKernelBackend):
         if self.workspace:
             comm.WORKSPACES.release(self._workspace_key)
         self.workspace = {}
+        self._by_bucket = {}
 
 
 __all__ = ["Sm90Bf16CutedslBackend", "make_frontend"]

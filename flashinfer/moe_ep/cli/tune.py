@@ -1,0 +1,130 @@
+"""``tune``: autotune a kernel backend offline, record the winners in the knob cache, build them into
+the kernel cache (a server then starts with ``knobs=None`` without compiling or tuning).
+
+One rank: ``python -m flashinfer.moe_ep tune --contract qwen3-30b-a3b --max-tokens 8 512 4096``.
+EP: ``torchrun --nproc-per-node N -m flashinfer.moe_ep tune ...``: every rank tunes its ``E / N``
+experts in lockstep (NCCL) and all ranks take one winner per token bucket; rank 0 records it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..backends.mega.catalog import catalog_entry
+from ..backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl import tuning as bf16_tuning
+from ..backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl.config import Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig
+from ..backends.mega.kernel.sm90.runtime import sm90_requirements
+from ..core.contracts import CONTRACTS, get_contract
+from ..errors import MoEEpBackendUnavailableError, MoEEpConfigError
+
+#: backends with a tuning surface, by kernel name.
+TUNABLE = {Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig.kernel_name: bf16_tuning}
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("tune", help="autotune knobs per token bucket into the knob cache (GPU; torchrun for EP)")
+    p.add_argument("--backend", default=Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig.kernel_name, choices=sorted(TUNABLE))
+    p.add_argument("--contract", nargs="+", required=True, help=f"contracts, or 'all' ({', '.join(CONTRACTS)})")
+    p.add_argument(
+        "--max-tokens", type=int, nargs="+", default=[8, 512, 4096], help="T to tune at, at most one per token bucket"
+    )
+    p.add_argument("--allow-nondeterministic", action="store_true", help="also try nondeterministic knob values")
+    p.add_argument("--iters", type=int, default=10, help="timed launches per candidate")
+    p.add_argument("--cache", default=None, help="kernel cache directory (default: $FLASHINFER_MOE_EP_KERNEL_CACHE)")
+    p.add_argument("--knob-cache", default=None, help="knob cache file (default: $FLASHINFER_MOE_EP_KNOB_CACHE)")
+    p.set_defaults(func=run)
+
+
+def _ranks() -> tuple[int, int, int]:
+    """(rank, world size, local rank): torchrun's environment, else one rank."""
+    env = os.environ
+    world = int(env.get("WORLD_SIZE", "1"))
+    rank = int(env.get("RANK", "0"))
+    return rank, world, int(env.get("LOCAL_RANK", str(rank)))
+
+
+def _weights(e_local: int, hidden: int, fc1_rows: int, inter: int, device: torch.device, seed: int) -> Any:
+    """Random bf16 weights made on the device (timing does not depend on the values)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    w13 = torch.randn(e_local, fc1_rows, hidden, generator=gen, device=device, dtype=torch.bfloat16)
+    w2 = torch.randn(e_local, hidden, inter, generator=gen, device=device, dtype=torch.bfloat16)
+    return w13.mul_(hidden**-0.5), w2.mul_(inter**-0.5)
+
+
+def run(args: argparse.Namespace) -> int:
+    rank, world, local_rank = _ranks()
+    device = torch.device("cuda", local_rank)
+    missing = sm90_requirements(device)
+    if missing:
+        raise MoEEpBackendUnavailableError(
+            f"tune times kernels on the GPU and cannot run here; it needs {'; '.join(missing)} "
+            "(to only compile kernels, use `build`)"
+        )
+    tuning = TUNABLE[args.backend]
+    entry = catalog_entry(args.backend)
+    assert entry is not None
+    names = list(CONTRACTS) if args.contract == ["all"] else args.contract
+    contracts = [get_contract(n) for n in names]
+    for c in contracts:
+        if c.num_experts % world:
+            raise MoEEpConfigError(f"{c.name}: {c.num_experts} experts do not split over {world} ranks")
+    root = Path(args.cache).expanduser() if args.cache else None
+    knob_path = Path(args.knob_cache).expanduser() if args.knob_cache else None
+
+    torch.cuda.set_device(device)
+    group_made = False
+    if world > 1:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("nccl", device_id=device)
+            group_made = True
+    try:
+        for c in contracts:
+            cfg = entry.load_config_class()(
+                c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit
+            )
+            e_local = c.num_experts // world
+            w13, w2 = _weights(e_local, c.hidden_size, cfg.fc1_rows, c.intermediate_size, device, 1234 + rank)
+            results = tuning.autotune_profiles(
+                cfg,
+                e_local,
+                args.max_tokens,
+                w13,
+                w2,
+                device,
+                context=tuning.tune_context(device, world),
+                rank=rank,
+                world_size=world,
+                allow_nondeterministic=args.allow_nondeterministic,
+                cache_path=knob_path,
+                kernel_cache_root=root,
+                progress=True,
+                iters=args.iters,
+            )
+            libs = tuning.build_winners(cfg, e_local, results, root)
+            del w13, w2
+            torch.cuda.empty_cache()
+            if rank == 0:
+                for bucket, r in results.items():
+                    dropped = sum(not row.ok for row in r.table)
+                    print(
+                        f"{c.name} {bucket}: {tuning.describe_knobs(r.winner)}: {r.winner_ms:.4f} ms "
+                        f"({len(r.table)} candidates, {dropped} dropped) -> {libs[bucket]}",
+                        flush=True,
+                    )
+                print(f"knobs recorded in {tuning.knob_cache_file(knob_path) or '(knob cache off)'}", flush=True)
+    finally:
+        if group_made:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    return 0
+
+
+__all__ = ["TUNABLE", "add_parser", "run"]

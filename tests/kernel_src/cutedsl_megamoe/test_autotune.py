@@ -1,0 +1,129 @@
+"""Collective autotune with a fake frontend and a fake timer: one winner on every rank, failures dropped
+everywhere without a hang, the same collectives on every rank (gloo ranks on the CPU)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch.distributed as dist
+
+from flashinfer.moe_ep.core.runtime.local_ranks import run_on_local_ranks
+from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import autotune as at
+
+CANDIDATES = ["a", "b", "c", "d"]
+# ms per (rank, candidate). Each rank alone would pick another winner; the slowest rank's time decides:
+# the max over ranks is a: 9, b: 5, c: 7, d: 6 at world 2 and 3, so "b" wins.
+TIMES = {
+    0: {"a": 1.0, "b": 5.0, "c": 7.0, "d": 6.0},
+    1: {"a": 9.0, "b": 4.0, "c": 2.0, "d": 6.0},
+    2: {"a": 3.0, "b": 5.0, "c": 7.0, "d": 1.0},
+}
+
+
+class FakeFrontend:
+    """Stands in for a kernel frontend: ``load`` may fail; the launch returns its fake duration."""
+
+    def __init__(self, rank: int, name: str, fail_load: bool = False, fail_time: bool = False) -> None:
+        self.rank, self.name, self.fail_load, self.fail_time = rank, name, fail_load, fail_time
+
+    def load(self) -> at.Launch:
+        if self.fail_load:
+            raise RuntimeError(f"compile failed for {self.name}")
+        if self.fail_time:
+            return lambda: math.nan  # a launch that produces garbage timing
+        return lambda: TIMES[self.rank][self.name]
+
+
+def fake_timer(launch: at.Launch, iters: int) -> list[float]:
+    return [launch() for _ in range(iters)]
+
+
+def _run(rank: int, world: int, fail_load: dict[str, int], fail_time: dict[str, int]) -> dict:
+    calls = {"all_reduce": 0, "barrier": 0}
+    real_all_reduce, real_barrier = dist.all_reduce, dist.barrier
+
+    def counting_all_reduce(*a, **k):
+        calls["all_reduce"] += 1
+        return real_all_reduce(*a, **k)
+
+    def counting_barrier(*a, **k):
+        calls["barrier"] += 1
+        return real_barrier(*a, **k)
+
+    dist.all_reduce, dist.barrier = counting_all_reduce, counting_barrier
+    try:
+
+        def run_candidate(name: str) -> at.Launch:
+            fe = FakeFrontend(rank, name, fail_load.get(name) == rank, fail_time.get(name) == rank)
+            return fe.load()
+
+        try:
+            res = at.autotune(
+                CANDIDATES, run_candidate, rank=rank, world_size=world, timer=fake_timer, iters=3, progress=False
+            )
+        except at.AutotuneError as exc:
+            return {"error": str(exc), "calls": calls}
+    finally:
+        dist.all_reduce, dist.barrier = real_all_reduce, real_barrier
+    return {
+        "winner": res.winner,
+        "ms": res.winner_ms,
+        "table": [(r.candidate, r.ok, r.ms, r.reason) for r in res.table],
+        "calls": calls,
+    }
+
+
+def _expected(world: int, dropped: set[str]) -> tuple[str, float]:
+    worst = {c: max(TIMES[r][c] for r in range(world)) for c in CANDIDATES if c not in dropped}
+    best = min(worst, key=lambda c: worst[c])
+    return best, worst[best]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_with_different_timings_agree_on_one_winner(world: int) -> None:
+    outs = run_on_local_ranks(_run, world, {}, {}, timeout_s=120)
+    want = _expected(world, set())
+    for rank, out in enumerate(outs):
+        assert (out["winner"], out["ms"]) == want, rank
+        local_best = min(CANDIDATES, key=lambda c: TIMES[rank][c])
+        assert local_best != want[0]  # the fixture really disagrees locally
+    assert len({str(o["table"]) for o in outs}) == 1  # identical tables on every rank
+    # two all-reduces per candidate on every rank (the flag one is the barrier), nothing else
+    assert all(o["calls"] == {"all_reduce": 2 * len(CANDIDATES), "barrier": 0} for o in outs)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_candidate_failing_on_one_rank_is_dropped_everywhere_without_a_hang(world: int) -> None:
+    # "b" (the would-be winner) fails to compile on the last rank only; "d" times garbage on rank 0 only.
+    outs = run_on_local_ranks(_run, world, {"b": world - 1}, {"d": 0}, timeout_s=120)
+    want = _expected(world, {"b", "d"})
+    for rank, out in enumerate(outs):
+        assert (out["winner"], out["ms"]) == want
+        table = {c: (ok, reason) for c, ok, _, reason in out["table"]}
+        assert not table["b"][0] and not table["d"][0] and table["a"][0] and table["c"][0]
+        if rank == world - 1:
+            assert "compile failed for b" in table["b"][1]
+        else:
+            assert table["b"][1] == "failed on another rank"
+    assert all(o["calls"]["all_reduce"] == 2 * len(CANDIDATES) for o in outs)
+
+
+def test_every_candidate_failing_somewhere_raises_on_every_rank() -> None:
+    outs = run_on_local_ranks(_run, 2, {"a": 0, "b": 1, "c": 0, "d": 1}, {}, timeout_s=120)
+    assert all("no candidate ran on every rank" in o["error"] for o in outs)
+    assert all(o["calls"]["all_reduce"] == 2 * len(CANDIDATES) for o in outs)
+
+
+def test_world_one_issues_no_collective_and_prints_progress(capsys) -> None:
+    out = _run(0, 1, {"c": 0}, {})
+    assert out["winner"] == "a" and out["calls"] == {"all_reduce": 0, "barrier": 0}
+    res = at.autotune(["a", "b"], lambda c: FakeFrontend(0, c).load(), timer=fake_timer, label="t")
+    assert res.winner == "a"
+    err = capsys.readouterr().err
+    assert "t: 2 candidate(s)" in err and "[2/2] b: 5.0000 ms" in err
+
+
+def test_ties_go_to_the_first_candidate() -> None:
+    res = at.autotune(["x", "y"], lambda c: lambda: 1.0, timer=fake_timer, progress=False)
+    assert res.winner == "x"

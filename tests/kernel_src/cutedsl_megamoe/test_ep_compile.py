@@ -1,0 +1,42 @@
+"""The EP loopback kernel draft compiles and exports for sm_90a on the CPU (one small variant).
+
+Runs ``scripts/build_ep_loopback.py`` in a subprocess (tests import the drop only through its
+package ``__init__``), then checks the library and the manifest the GPU test reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
+
+REPO = Path(__file__).resolve().parents[3]
+pytestmark = pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")
+
+
+def test_ep_r2_k1_compiles_and_exports(tmp_path: Path) -> None:
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "build_ep_loopback.py"), "--only", "ep_r2_k1", "--out", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lib = tmp_path / "libep_r2_k1.so"
+    assert lib.stat().st_size > 10_000
+    assert b"__tvm_ffi_ep_r2_k1" in lib.read_bytes()
+    rec = json.loads((tmp_path / "manifest.json").read_text())["ep_r2_k1"]
+    assert rec["world_size"] == 2 and rec["top_k"] == 1
+    # 6 problem tensors, 7 symmetric buffers, 7 pointer tables, 6 local buffers, abort, 4 scalars
+    assert len(rec["args"]) == 31
+    assert rec["args"][-5:] == ["abort", "rank", "epoch", "prev_epoch", "timeout_ns"]
+    sym = [n for n, _, _ in rec["sym_specs"]]
+    assert [b for _, b in rec["tables"]] == [n for n in sym]

@@ -1,0 +1,179 @@
+"""The tuning surface: taxonomy, value sets, validity against the frontend's check, candidates, token
+buckets, placeholder defaults, knob resolution and the workspace shared by a layer's buckets."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashinfer.moe_ep.core.contracts import CONTRACTS
+from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
+
+tuner, knob_cache = drop.tuner, drop.knob_cache
+
+
+def _geometries() -> list[drop.Geometry]:
+    out = [
+        drop.Geometry(c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit)
+        for c in CONTRACTS.values()
+    ]
+    out.append(drop.Geometry(320, 192, 8, 2, "swiglu", None))  # widths only some tiles divide
+    return out
+
+
+def _check_ok(geometry: drop.Geometry, knobs: drop.Bf16Knobs) -> bool:
+    try:
+        drop.Bf16Frontend(geometry, knobs).check()
+    except ValueError:
+        return False
+    return True
+
+
+def test_taxonomy_today_every_bf16_knob_is_output_neutral() -> None:
+    fam = tuner.family(tuner.BF16)
+    assert {s.name for s in fam.specs} == {f.name for f in dataclasses.fields(drop.Bf16Knobs)}
+    assert all(s.kind == tuner.PERFORMANCE and not s.nondeterministic for s in fam.specs)
+    assert fam.deterministic and fam.layout_knobs == ("fc1_tile_n",)
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 65, 512, 2048, 16384])
+def test_is_valid_agrees_with_frontend_check_on_every_candidate(tokens: int) -> None:
+    for g in _geometries():
+        cands = tuner.candidates(g, tokens)
+        assert cands, g
+        assert len(cands) == len(set(cands))
+        assert tuner.default_knobs(g, tokens) in cands
+        for k in cands:
+            assert tuner.is_valid(g, k) == (True, "")
+            assert _check_ok(g, k)
+
+
+def test_is_valid_is_value_sets_plus_frontend_check_on_a_grid() -> None:
+    fam = tuner.family()
+    for g in _geometries()[:2] + _geometries()[-1:]:
+        for tm, n1, n2 in itertools.product((32, 64, 128, 192), (32, 64, 96, 128, 192, 256), (64, 128, 256, 512)):
+            k = drop.Bf16Knobs(tile_m=tm, fc1_tile_n=n1, fc2_tile_n=n2)
+            in_sets = all(getattr(k, s.name) in s.value_set() for s in fam.specs)
+            ok, why = tuner.is_valid(g, k)
+            assert ok == (in_sets and _check_ok(g, k)), (g, k, why)
+            assert ok or why
+    assert tuner.is_valid(_geometries()[0], {"bogus": 1})[0] is False
+    assert (
+        tuner.is_valid(_geometries()[0], drop.Bf16Knobs(fc1_stages=9))[1]
+        == "fc1_stages=9 is not in {None, 2, 3, 4, 5, 6, 7, 8}"
+    )
+    assert "num_sms=0" in tuner.is_valid(_geometries()[0], drop.Bf16Knobs(num_sms=0))[1]
+
+
+def test_candidates_are_deterministic_pinned_and_pruned() -> None:
+    g = drop.Geometry(2048, 768, 128, 8, "swiglu", None)
+    assert tuner.candidates(g, 512) == tuner.candidates(g, 512)
+    pinned = tuner.candidates(g, 4096, pinned={"fc1_tile_n": 64})
+    assert pinned and all(k.fc1_tile_n == 64 for k in pinned)
+    decode = tuner.candidates(g, 16)
+    # a 128-row tile at T=16 is padding: pruned (the decode default, the baseline to beat, has 64 rows)
+    assert tuner.default_knobs(g, 16) in decode and not [k for k in decode if k.tile_m == 128]
+    # layout knobs outermost: the sweep changes the weight layout once per value
+    layouts = [k.fc1_tile_n for k in tuner.candidates(g, 4096)]
+    assert layouts == sorted(layouts)
+    # stages and the SM count stay at the default's values
+    assert {(k.fc1_stages, k.fc2_stages, k.num_sms) for k in tuner.candidates(g, 4096)} == {(None, None, 132)}
+
+
+def test_nondeterministic_values_only_when_allowed(monkeypatch) -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Knobs:
+        combine: str = "ordered"
+
+    class Frontend:
+        def __init__(self, geometry, knobs):
+            self.knobs = knobs
+
+        def check(self) -> None:
+            pass
+
+    spec = tuner.KnobSpec(
+        "combine", tuner.CORRECTNESS, ("ordered", "atomic"), ("ordered", "atomic"), nondeterministic=("atomic",)
+    )
+    fam = tuner.KernelFamily("fake", Knobs, Frontend, (spec,), lambda g: Knobs())
+    monkeypatch.setitem(tuner.FAMILIES, "fake", fam)
+    g = _geometries()[0]
+    assert not fam.deterministic
+    assert tuner.candidates(g, 8, name="fake") == [Knobs("ordered")]
+    assert tuner.candidates(g, 8, name="fake", allow_nondeterministic=True) == [Knobs("ordered"), Knobs("atomic")]
+
+
+@pytest.mark.parametrize(
+    "tokens, bucket",
+    [(0, "decode"), (1, "decode"), (128, "decode"), (129, "mid"), (2047, "mid"), (2048, "prefill"), (10**6, "prefill")],
+)
+def test_bucket_boundaries(tokens: int, bucket: str) -> None:
+    assert tuner.bucket_of(tokens) == bucket
+
+
+def test_buckets_of_a_layer_and_their_tune_sizes() -> None:
+    names = lambda cap: [b.name for b in tuner.buckets_for(cap)]  # noqa: E731
+    assert names(1) == names(128) == ["decode"]
+    assert names(129) == names(2047) == ["decode", "mid"]
+    assert names(2048) == names(8192) == ["decode", "mid", "prefill"]
+    for cap in (1, 8, 64, 100, 2047, 3000, 8192):
+        for b in tuner.buckets_for(cap):
+            t = tuner.tune_tokens(b, cap)
+            assert 1 <= t <= cap and tuner.bucket_of(t) == b.name
+    custom = (tuner.TokenBucket("small", 8, 8), tuner.TokenBucket("big", None, 64))
+    assert tuner.bucket_of(9, custom) == "big"
+    with pytest.raises(ValueError, match="unbounded"):
+        tuner.bucket_of(9, custom[:1])
+
+
+def test_defaults_are_the_declared_profiles() -> None:
+    assert "TUNING.md" in tuner.BF16_PROFILES_SOURCE
+    assert set(tuner.BF16_PROFILES) == {b.name for b in tuner.TOKEN_BUCKETS}
+    for g in _geometries():
+        assert tuner.default_knobs(g, 512) == tuner.default_knobs(g, 4096) == drop.default_bf16_knobs(g)
+        decode = tuner.default_knobs(g, 1)
+        assert tuner.is_valid(g, decode)[0]
+        if decode != drop.default_bf16_knobs(g):  # the decode overrides where they divide the problem
+            assert dataclasses.replace(drop.default_bf16_knobs(g), **tuner.BF16_PROFILES["decode"]) == decode
+
+
+def test_resolve_takes_an_exact_cache_hit_else_the_defaults(tmp_path: Path) -> None:
+    g = drop.Geometry(2048, 768, 128, 8, "swiglu", None)
+    ctx = knob_cache.TuneContext("NVIDIA H200")
+    path = tmp_path / "knobs.json"
+    decode, prefill = tuner.TOKEN_BUCKETS[0], tuner.TOKEN_BUCKETS[2]
+    assert tuner.resolve_knobs(g, decode, ctx, path=path) == (tuner.default_knobs(g, 1), "defaults")
+    key = knob_cache.KnobKey.make(tuner.BF16, g, "decode", ctx)
+    knob_cache.record(key, {"tile_m": 64, "fc1_tile_n": 256}, path)
+    want = dataclasses.replace(drop.default_bf16_knobs(g), tile_m=64, fc1_tile_n=256)
+    assert tuner.resolve_knobs(g, decode, ctx, path=path) == (want, "knob cache")
+    # the layer's layout knobs (from its largest bucket) win over a bucket's cached ones
+    pinned = tuner.resolve_knobs(g, decode, ctx, path=path, pinned={"fc1_tile_n": 128})[0]
+    assert pinned == dataclasses.replace(want, fc1_tile_n=128)
+    assert tuner.resolve_knobs(g, prefill, ctx, path=path)[1] == "defaults"  # another bucket
+    assert tuner.resolve_knobs(g, decode, knob_cache.TuneContext("NVIDIA H100"), path=path)[1] == "defaults"
+    # a cached entry that is no longer valid is ignored
+    knob_cache.record(key, {"tile_m": 96}, path)
+    assert tuner.resolve_knobs(g, decode, ctx, path=path) == (tuner.default_knobs(g, 1), "defaults")
+    knob_cache.record(key, {"retired_knob": 1}, path)
+    assert tuner.resolve_knobs(g, decode, ctx, path=path)[1] == "defaults"
+
+
+def test_buckets_share_one_workspace_with_their_own_shapes() -> None:
+    g = drop.Geometry(256, 128, 16, 4, "swiglu", None)
+    fes = [drop.Bf16Frontend(g, drop.Bf16Knobs(tile_m=m)) for m in (64, 128)]
+    cap = 300
+    views = drop.allocate_shared_workspace(fes, cap, torch.device("cpu"))
+    for fe, ws in zip(fes, views, strict=True):
+        specs = fe.workspace_spec(cap)
+        assert list(ws) == [s.name for s in specs]
+        assert [tuple(t.shape) for t in ws.values()] == [tuple(s.shape) for s in specs]
+        assert all(int(t.abs().sum()) == 0 for t in ws.values())  # zero-filled
+    for name in views[0]:
+        assert views[0][name].data_ptr() == views[1][name].data_ptr()  # one allocation per buffer
+    single = fes[0].allocate_workspace(cap, torch.device("cpu"))
+    assert [t.shape for t in single.values()] == [t.shape for t in views[0].values()]
