@@ -20,7 +20,7 @@ import torch
 from ..config import BootstrapConfig, FleetParams, MegaConfig, MoEEpTensors, MoEWeightPack
 from ..core.baselines import grouped_mm_moe
 from ..core.contracts import get_contract
-from ..core.inputs import make_expert_weights, make_hidden_states, make_topk, relative_errors
+from ..core.inputs import make_expert_weights, make_hidden_states, make_topk, relative_errors, rounding_ulps
 from ..core.reference import moe_reference
 from ..errors import MoEEpConfigError
 from ..layer import MoEEpLayer
@@ -77,8 +77,10 @@ def bench_contract(
     c = get_contract(name)
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(1234)
-    w13, w2 = make_expert_weights(c.num_experts, c.hidden_size, c.intermediate_size, c.activation, generator=gen)
-    w13, w2 = w13.to(dev), w2.to(dev)
+    wgen = torch.Generator(device=dev).manual_seed(1234)  # weights drawn on the GPU (deepseek-v3: 22.5 GB)
+    w13, w2 = make_expert_weights(
+        c.num_experts, c.hidden_size, c.intermediate_size, c.activation, generator=wgen, device=dev
+    )
     config = entry.load_config_class()(
         c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit, knobs
     )
@@ -128,13 +130,24 @@ def bench_contract(
             "speedup": base / ours,
             "mean_err": float("nan"),
             "max_err": float("nan"),
+            "ulps": float("nan"),
         }
         if check and t:
             s = inputs[0]
             outs[0].fill_(float("nan"))
             layer.forward(s, output=outs[0])
-            ref = moe_reference(s.hidden_states, s.topk_ids, s.topk_weights, w13, w2, c.activation, c.activation_limit)
+            ref, scale = moe_reference(
+                s.hidden_states,
+                s.topk_ids,
+                s.topk_weights,
+                w13,
+                w2,
+                c.activation,
+                c.activation_limit,
+                return_term_scale=True,
+            )
             row["mean_err"], row["max_err"] = relative_errors(outs[0], ref)
+            row["ulps"] = rounding_ulps(outs[0], ref, scale)
         rows.append(row)
         print(
             f"  {name} T={t}: {ours:.3f} ms ({row['tflops']:.0f} TFLOP/s, {row['pct_floor']:.0f}% of floor), "

@@ -65,13 +65,21 @@ def make_expert_weights(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.bfloat16,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w13`` [E, FC1 rows, H] and ``w2`` [E, H, I], scaled so activations stay O(1)."""
+    """``w13`` [E, FC1 rows, H] and ``w2`` [E, H, I], scaled so activations stay O(1).
+
+    Drawn on the generator's device (a CUDA generator makes large weights on the GPU directly), one
+    expert at a time so no fp32 copy of the whole tensor is ever held.
+    """
     rows = fc1_rows(activation, intermediate_size)
-    w13 = torch.randn(num_experts, rows, hidden_size, generator=generator, dtype=torch.float32)
-    w13.mul_(hidden_size**-0.5)
-    w2 = torch.randn(num_experts, hidden_size, intermediate_size, generator=generator, dtype=torch.float32)
-    w2.mul_(intermediate_size**-0.5)
-    return w13.to(dtype).to(device), w2.to(dtype).to(device)
+    where = generator.device if generator is not None else torch.device("cpu")
+    w13 = torch.empty(num_experts, rows, hidden_size, dtype=dtype, device=device)
+    w2 = torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype, device=device)
+    for e in range(num_experts):
+        a = torch.randn(rows, hidden_size, generator=generator, device=where) * hidden_size**-0.5
+        w13[e] = a.to(dtype)
+        b = torch.randn(hidden_size, intermediate_size, generator=generator, device=where) * intermediate_size**-0.5
+        w2[e] = b.to(dtype)
+    return w13, w2
 
 
 def relative_errors(out: torch.Tensor, ref: torch.Tensor, floor: float = 1e-2) -> tuple[float, float]:
@@ -95,4 +103,22 @@ def relative_errors(out: torch.Tensor, ref: torch.Tensor, floor: float = 1e-2) -
     return rel.mean().item(), rel.max().item()
 
 
-__all__ = ["ROUTINGS", "make_expert_weights", "make_hidden_states", "make_topk", "relative_errors"]
+def rounding_ulps(out: torch.Tensor, ref: torch.Tensor, term_scale: torch.Tensor) -> float:
+    """Largest error in units of the bf16 rounding the semantics allow: ``max |out - ref| / (2^-8 (|ref| + S))``
+    with ``S`` from ``moe_reference(..., return_term_scale=True)`` (magnitudes of the combine's and
+    FC2's terms).
+
+    Both sides round the activation ``a`` and every expert output ``y`` to bf16 after fp32 sums whose
+    order is unspecified, so a correct result may differ from the reference by an ulp in any of those
+    intermediates. Where terms cancel (``|ref| << S``) that is a large *relative* error of a small
+    element but only a unit or two here; a wrong result is hundreds. NaN anywhere gives inf.
+    """
+    if out.numel() == 0:
+        return 0.0
+    o, r, sc = out.double(), ref.double(), term_scale.double()
+    if not bool(torch.isfinite(o).all()):
+        return float("inf")
+    return ((o - r).abs() / (2.0**-8 * (r.abs() + sc)).clamp_min(1e-30)).max().item()
+
+
+__all__ = ["ROUTINGS", "rounding_ulps", "make_expert_weights", "make_hidden_states", "make_topk", "relative_errors"]

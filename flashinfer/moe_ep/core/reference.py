@@ -42,12 +42,18 @@ def expert_mlp(
     w2_e: torch.Tensor,
     activation: ActivationSpec,
     compute_dtype: torch.dtype = torch.float32,
+    fc2_abs: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One expert's MLP on ``x_rows`` [n, H]; returns the bf16 expert output [n, H]."""
+    """One expert's MLP on ``x_rows`` [n, H]; returns the bf16 expert output [n, H].
+
+    ``fc2_abs`` (optional, [n, H] fp32): receives ``|a| @ |w2|^T``, the magnitude of FC2's terms.
+    """
     with exact_fp32_matmul():
         h = x_rows.to(compute_dtype) @ w13_e.to(compute_dtype).T
         a = apply_activation(h, activation.name, activation.limit).to(torch.bfloat16)
         y = a.to(compute_dtype) @ w2_e.to(compute_dtype).T
+        if fc2_abs is not None:
+            fc2_abs.copy_(a.float().abs() @ w2_e.float().abs().T)
     return y.to(torch.bfloat16)
 
 
@@ -58,14 +64,21 @@ def expert_outputs(
     w2: torch.Tensor,
     activation: ActivationSpec,
     compute_dtype: torch.dtype = torch.float32,
+    fc2_abs: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Run each row of ``x_rows`` [n, H] through its (local) expert; returns bf16 [n, H] in row order."""
+    """Run each row of ``x_rows`` [n, H] through its (local) expert; returns bf16 [n, H] in row order.
+
+    ``fc2_abs`` (optional, [n, H] fp32) receives each row's ``|a| @ |w2|^T`` (see :func:`expert_mlp`).
+    """
     out = torch.empty(x_rows.shape[0], w2.shape[1], dtype=torch.bfloat16, device=x_rows.device)
     if x_rows.shape[0] == 0:
         return out
     for e in torch.unique(local_expert_of_row).tolist():
         rows = (local_expert_of_row == e).nonzero(as_tuple=True)[0]
-        out[rows] = expert_mlp(x_rows[rows], w13[e], w2[e], activation, compute_dtype)
+        part = None if fc2_abs is None else torch.empty(rows.numel(), w2.shape[1], device=x_rows.device)
+        out[rows] = expert_mlp(x_rows[rows], w13[e], w2[e], activation, compute_dtype, part)
+        if fc2_abs is not None:
+            fc2_abs[rows] = part
     return out
 
 
@@ -91,17 +104,29 @@ def moe_reference(
     activation: ActivationSpec | str = "swiglu",
     activation_limit: float | None = None,
     compute_dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
+    *,
+    return_term_scale: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The whole layer on one process holding every expert: [T, H] bf16.
 
     ``compute_dtype=torch.float64`` gives an fp64-accumulated oracle with the same rounding points.
+    ``return_term_scale``: also return ``S = sum_k |w[t,k]| (|y_(t,k)| + (|a_(t,k)| @ |w2|^T))`` (fp32
+    [T, H]): the magnitude of the terms of the combine and of FC2, which bounds, to first order, what a
+    one-ulp difference in any bf16 intermediate (``a`` or ``y``) can do to an output element (see
+    ``core.inputs.rounding_ulps``).
     """
     spec = activation if isinstance(activation, ActivationSpec) else ActivationSpec(activation, activation_limit)
     t, k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1).long()
     x_rows = hidden_states.repeat_interleave(k, dim=0) if t else hidden_states[:0]
-    y = expert_outputs(x_rows, flat_ids, w13, w2, spec, compute_dtype)
-    return combine_topk(y.view(t, k, w2.shape[1]), topk_weights)
+    fc2_abs = torch.empty(t * k, w2.shape[1], device=hidden_states.device) if return_term_scale else None
+    y = expert_outputs(x_rows, flat_ids, w13, w2, spec, compute_dtype, fc2_abs).view(t, k, w2.shape[1])
+    out = combine_topk(y, topk_weights)
+    if fc2_abs is None:
+        return out
+    terms = y.float().abs() + fc2_abs.view(t, k, -1)
+    scale = (topk_weights.float().abs()[:, :, None] * terms).sum(dim=1)
+    return out, scale
 
 
 __all__ = ["combine_topk", "exact_fp32_matmul", "expert_mlp", "expert_outputs", "moe_reference"]

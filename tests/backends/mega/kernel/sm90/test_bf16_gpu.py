@@ -1,7 +1,11 @@
 """The SM90 BF16 backend on the GPU against the fp32 reference (marked ``gpu``; skipped elsewhere).
 
 Every case: fresh random inputs, output poisoned with NaN before the run, mean relative error < 1 %
-and max < 5 % over |ref| > 1e-2 max|ref|, and a second run bitwise equal to the first.
+over |ref| > 1e-2 max|ref|, every element within ``MAX_ULPS`` of the rounding the semantics allow
+(``core.inputs.rounding_ulps``), and a second run bitwise equal to the first. The elementwise max
+relative error is printed, not gated: under cancellation one-ulp differences of the bf16
+intermediates (which the reference rounds too, after fp32 sums of another order) exceed 5 % relative
+on correct results; the fp32 reference against the fp64 one reaches 3.5 % on the CPU.
 Kernels come from the kernel cache (``FLASHINFER_MOE_EP_KERNEL_CACHE``); ``scripts/gpu_session.py
 build`` compiles exactly ``GPU_VARIANTS`` on any machine.
 """
@@ -13,12 +17,19 @@ import torch
 
 import flashinfer.moe_ep as moe
 from flashinfer.moe_ep.core.contracts import CONTRACTS
-from flashinfer.moe_ep.core.inputs import make_expert_weights, make_hidden_states, make_topk, relative_errors
+from flashinfer.moe_ep.core.inputs import (
+    make_expert_weights,
+    make_hidden_states,
+    make_topk,
+    relative_errors,
+    rounding_ulps,
+)
 from flashinfer.moe_ep.core.reference import moe_reference
 
 pytestmark = pytest.mark.gpu
 
 MAX_T = 8192
+MAX_ULPS = 4.0
 SMALL = {"hidden_size": 256, "intermediate_size": 128, "num_experts": 16, "top_k": 4}
 ACTIVATIONS = [
     ("swiglu", None),
@@ -73,11 +84,13 @@ def _check(layer, cfg, w13, w2, inp) -> None:
     t = inp.hidden_states.shape[0]
     out = torch.full((t, cfg.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
     layer.forward(inp, output=out)
-    ref = moe_reference(inp.hidden_states, inp.topk_ids, inp.topk_weights, w13, w2, cfg.activation,
-                        cfg.activation_limit)  # fmt: skip
+    ref, scale = moe_reference(inp.hidden_states, inp.topk_ids, inp.topk_weights, w13, w2, cfg.activation,
+                               cfg.activation_limit, return_term_scale=True)  # fmt: skip
     assert not bool(out.isnan().any()), "some output rows were never written"
     mean_err, max_err = relative_errors(out, ref)
-    assert mean_err < 1e-2 and max_err < 5e-2, (mean_err, max_err)
+    ulps = rounding_ulps(out, ref, scale)
+    print(f"T={t}: mean rel {mean_err:.2e}, max rel {max_err:.2e}, max {ulps:.2f} rounding units")
+    assert mean_err < 1e-2 and ulps <= MAX_ULPS, (mean_err, max_err, ulps)
     again = torch.full_like(out, float("nan"))
     layer.forward(inp, output=again)
     assert torch.equal(out, again), "two runs on the same inputs differ"
