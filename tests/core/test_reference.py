@@ -49,3 +49,24 @@ def test_combine_is_in_k_order_fp32() -> None:
     # fp32 sum in order: 1 + 2^-9 + 2^-9 = 1 + 2^-8 (exact in fp32) -> bf16 rounds to 1 + 2^-7? no: ties to even -> 1.0
     out = combine_topk(y, w)
     assert out.item() == torch.tensor(1.0 + 2.0**-8).to(torch.bfloat16).item()
+
+
+@pytest.mark.parametrize("act", ["swiglu", "relu2"])
+def test_rounding_units_separate_rounding_noise_from_a_routing_bug(act, gen) -> None:
+    from flashinfer.moe_ep.core.inputs import rounding_ulps
+
+    e, h, i, k, t = 16, 256, 128, 4, 600
+    w13, w2 = make_expert_weights(e, h, i, act, generator=gen)
+    x = make_hidden_states(t, h, generator=gen)
+    ids, w = make_topk(t, e, k, generator=gen)
+    w[3] = torch.tensor([0.7, 0.1, 0.1, 0.1])  # the pair misrouted below carries most of token 3
+    ref64, scale = moe_reference(x, ids, w, w13, w2, act, compute_dtype=torch.float64, return_term_scale=True)
+    ref32 = moe_reference(x, ids, w, w13, w2, act)
+    assert rounding_ulps(ref32, ref64, scale) <= 4.0  # same semantics, other accumulation: noise
+    wrong = ids.clone()
+    wrong[3, 0] = next(j for j in range(e) if j not in ids[3].tolist())  # one pair misrouted
+    bug = moe_reference(x, wrong, w, w13, w2, act)
+    assert rounding_ulps(bug, ref64, scale) > 20.0
+    assert rounding_ulps(torch.full_like(ref32, float("nan")), ref64, scale) == float("inf")
+    empty = moe_reference(x[:0], ids[:0], w[:0], w13, w2, act, return_term_scale=True)
+    assert empty[0].shape == (0, h) and rounding_ulps(empty[0], empty[0], empty[1]) == 0.0

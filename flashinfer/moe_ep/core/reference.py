@@ -124,7 +124,7 @@ def moe_reference(
     out = combine_topk(y, topk_weights)
     if fc2_abs is None:
         return out
-    terms = y.float().abs() + fc2_abs.view(t, k, -1)
+    terms = y.float().abs() + fc2_abs.view(t, k, w2.shape[1])
     scale = (topk_weights.float().abs()[:, :, None] * terms).sum(dim=1)
     return out, scale
 
