@@ -21,10 +21,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 BENCH_CONTRACTS = ["qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3"]
 BENCH_MAX_TOKENS = 16384  # the bench layer's capacity (its largest T)
+TUNE_TOKENS = [64, 512, 4096]  # one T per token bucket for `tune --max-tokens`
 os.environ.setdefault("FLASHINFER_MOE_EP_KNOB_CACHE", "off")  # defaults only, the same here and there
 
 
-def build(cache: Path) -> int:
+def build(cache: Path, tune_contracts: bool = False) -> int:
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     import flashinfer.moe_ep as moe
     from flashinfer.moe_ep.backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl import tuning
@@ -44,6 +45,27 @@ def build(cache: Path) -> int:
             lib = fe.build(cache)
             print(f"[{i}/{len(variants)}] {name} ({tuning.describe_knobs(fe.knobs)}): {lib.name} "
                   f"({time.perf_counter() - t0:.1f} s)", flush=True)  # fmt: skip
+    # every autotune candidate of the tuning GPU test (the GPU machine cannot compile)
+    from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
+    from tests.backends.mega.kernel.sm90.test_bf16_tuning_gpu import AUTO_GEOMETRY, AUTO_MAX_TOKENS
+
+    def prebuild_candidates(cfg: moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig, tokens: list[int], label: str) -> None:
+        geometry = tuning.make_geometry(cfg, cfg.num_experts)
+        seen = {k for t in tokens for k in drop.tuner.candidates(geometry, t)}
+        for knobs in sorted(seen, key=repr):
+            drop.Bf16Frontend(geometry, knobs).build(cache)
+        print(f"autotune candidates of {label}: {len(seen)} kernels", flush=True)
+
+    prebuild_candidates(
+        moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(**AUTO_GEOMETRY), [64, AUTO_MAX_TOKENS], "the tuning test"
+    )
+    if tune_contracts:
+        for name in BENCH_CONTRACTS:
+            c = get_contract(name)
+            cfg = moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
+                c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit
+            )
+            prebuild_candidates(cfg, TUNE_TOKENS, name)
     size = sum(p.stat().st_size for p in cache.rglob("*") if p.is_file())
     print(f"kernel cache {cache}: {size / 2**20:.1f} MiB")
     return 0
@@ -70,8 +92,11 @@ def main() -> int:
     p.add_argument("--bench-tokens", nargs="+", default=["1", "16", "128", "1024", "4096", "16384"])
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "bench-out")))
     p.add_argument("--skip-tests", action="store_true")
+    p.add_argument(
+        "--tune-contracts", action="store_true", help="build: also every autotune candidate of the bench contracts"
+    )
     a = p.parse_args()
-    return build(a.cache) if a.what == "build" else run(a.cache, a.bench_tokens, a.out, a.skip_tests)
+    return build(a.cache, a.tune_contracts) if a.what == "build" else run(a.cache, a.bench_tokens, a.out, a.skip_tests)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,24 @@ def _kcache() -> Path:
     return d if d.is_absolute() else REPO / d
 
 
+def _preload_launch_window_kernels(streams: list[torch.cuda.Stream]) -> None:
+    """Load, while the GPU is idle, every CUDA kernel that ``forward`` launches between the ranks' chains.
+
+    CUDA loads kernels lazily (``CUDA_MODULE_LOADING=LAZY``, the default since 12.2) and loading one
+    may need a context synchronization (CUDA Programming Guide, Lazy Loading, "Potential Hazards"):
+    the host call that first launches it blocks until the kernels already running have finished.
+    ``forward`` enqueues the ranks one after the other from this thread, so a first load in rank r's
+    turn waits for rank r-1's owner scan, which spins until rank r signals ready: that owner times out
+    (abort stage 1) and rank r then runs alone and times out on its done wait (abort stage 3).
+    ``torch.cuda._sleep`` (the launch skew) is the only such kernel outside the EP library, whose
+    kernels are all loaded by its first call before that call launches anything.
+    """
+    for s in streams:
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(1)
+    torch.cuda.synchronize()
+
+
 def _manifest() -> dict:
     path = _kcache() / "manifest.json"
     if not path.is_file():
@@ -89,7 +107,9 @@ class LoopbackWorld:
         self.sym_names = [n for n, _, _ in rec["sym_specs"]]
         self.epoch = 0
         self.prev_epoch = 0  # 0: skip the buffer-reuse wait (first forward, or after a host resync)
+        self.last_enqueue_s = 0.0  # host time to enqueue every rank's chain in the last forward
         torch.cuda.synchronize()
+        _preload_launch_window_kernels(self.streams)
 
     def inputs(self, tokens: list[int], routing: str = "uniform", seed: int = 0, expert_range=None):
         g = torch.Generator().manual_seed(seed)
@@ -120,6 +140,7 @@ class LoopbackWorld:
                 self.fn(xs[r], ids[r], ws[r], self.w13_r[r], self.w2_r[r], outs[r],
                         *[h.buffers[n] for n in self.sym_names], *self.tables[r], *self.local[r],
                         self.abort[r], r, self.epoch, self.prev_epoch, timeout_ns)  # fmt: skip
+        self.last_enqueue_s = time.perf_counter() - t0  # ~ms; ~timeout if a launch blocked the host
         torch.cuda.synchronize()
         secs = time.perf_counter() - t0
         aborts = [a.tolist() for a in self.abort]
@@ -136,7 +157,7 @@ class LoopbackWorld:
 
     def check(self, xs, ids, ws, **kw):
         outs, aborts, _ = self.forward(xs, ids, ws, **kw)
-        assert all(a[0] == 0 for a in aborts), f"abort words: {aborts}"
+        assert all(a[0] == 0 for a in aborts), f"abort words: {aborts} (host enqueue {self.last_enqueue_s:.3f} s)"
         refs = self.reference(xs, ids, ws)
         for r, (o, (ref, scale)) in enumerate(zip(outs, refs, strict=True)):
             assert not bool(o.isnan().any()), f"rank {r}: some output rows were never written"
@@ -204,7 +225,7 @@ def test_bitwise_repeatable_under_launch_skew(name: str) -> None:
     for i in range(10):
         skew = [((r + i) % w.R) * 2_000_000 for r in range(w.R)]  # some ranks start ~1 ms late
         outs, aborts, _ = w.forward(*inp, skew_cycles=skew)
-        assert all(a[0] == 0 for a in aborts), aborts
+        assert all(a[0] == 0 for a in aborts), (i, aborts, f"host enqueue {w.last_enqueue_s:.3f} s")
         for r in range(w.R):
             assert torch.equal(outs[r], first[r]), f"run {i} rank {r} differs"
 
