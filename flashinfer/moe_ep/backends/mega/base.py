@@ -15,7 +15,8 @@ from typing import Any, ClassVar
 import torch
 
 from ...config import BootstrapConfig, FleetParams, MegaKernelConfig, MoEEpTensors, MoEWeightPack
-from ...errors import MoEEpBackendUnavailableError, MoEEpConfigError
+from ...core.validation import check_expert_weights
+from ...errors import MoEEpBackendUnavailableError, MoEEpConfigError, MoEEpInputError
 
 
 class MegaKernelBackend(abc.ABC):
@@ -89,6 +90,22 @@ class MegaKernelBackend(abc.ABC):
     @abc.abstractmethod
     def preprocess_weights(self, weights: MoEWeightPack) -> None:
         """Validate this rank's weights and convert them into the backend's layouts (once)."""
+
+    def check_unquantized_weights(self, weights: MoEWeightPack, dtype: torch.dtype | tuple[torch.dtype, ...]) -> None:
+        """For backends taking plain (unscaled) weights: no scales; shapes, dtype, device, finiteness."""
+        c = self.config
+        if any(s is not None for s in (weights.w13_scale, weights.w2_scale)):
+            raise MoEEpInputError(f"backend {c.kernel_name!r} takes unquantized weights; got weight scales")
+        check_expert_weights(
+            weights.w13,
+            weights.w2,
+            num_local_experts=self.num_local_experts,
+            fc1_rows=c.fc1_rows,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            dtype=dtype,
+            device=self.device,
+        )
 
     def allocate_workspace(self) -> None:
         """Allocate buffers sized from ``FleetParams.max_tokens_per_rank`` (once)."""

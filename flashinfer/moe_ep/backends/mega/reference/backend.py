@@ -9,8 +9,7 @@ import torch.distributed as dist
 
 from ....config import MoEEpTensors, MoEWeightPack
 from ....core.reference import combine_topk, expert_outputs
-from ....core.validation import check_expert_weights
-from ....errors import MoEEpConfigError, MoEEpInputError
+from ....errors import MoEEpConfigError
 from ..base import MegaKernelBackend
 from .config import ReferenceMegaMoeConfig
 
@@ -46,19 +45,7 @@ class ReferenceMegaMoeBackend(MegaKernelBackend):
         return group
 
     def preprocess_weights(self, weights: MoEWeightPack) -> None:
-        c = self.config
-        if weights.w13_scale is not None or weights.w2_scale is not None:
-            raise MoEEpInputError("the reference backend takes unquantized weights; got weight scales")
-        check_expert_weights(
-            weights.w13,
-            weights.w2,
-            num_local_experts=self.num_local_experts,
-            fc1_rows=c.fc1_rows,
-            hidden_size=c.hidden_size,
-            intermediate_size=c.intermediate_size,
-            dtype=(torch.bfloat16, torch.float16, torch.float32),
-            device=self.device,
-        )
+        self.check_unquantized_weights(weights, (torch.bfloat16, torch.float16, torch.float32))
         self.w13, self.w2 = weights.w13, weights.w2
 
     def compute(self, staged: MoEEpTensors, output: torch.Tensor) -> torch.Tensor:

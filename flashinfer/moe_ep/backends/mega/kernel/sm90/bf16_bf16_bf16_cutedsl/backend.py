@@ -7,8 +7,7 @@ from typing import Any, ClassVar
 import torch
 
 from ......config import MoEEpTensors, MoEWeightPack
-from ......core.validation import check_expert_weights
-from ......errors import MoEEpBackendUnavailableError, MoEEpConfigError, MoEEpInputError
+from ......errors import MoEEpBackendUnavailableError, MoEEpConfigError
 from ....base import MegaKernelBackend
 from ..runtime import sm90_requirements
 from . import tuning
@@ -62,18 +61,7 @@ class Sm90Bf16CutedslBackend(MegaKernelBackend):
 
     def preprocess_weights(self, weights: MoEWeightPack) -> None:
         c = self.config
-        if weights.w13_scale is not None or weights.w2_scale is not None:
-            raise MoEEpInputError(f"{c.kernel_name} takes bf16 weights; got weight scales")
-        check_expert_weights(
-            weights.w13,
-            weights.w2,
-            num_local_experts=self.num_local_experts,
-            fc1_rows=c.fc1_rows,
-            hidden_size=c.hidden_size,
-            intermediate_size=c.intermediate_size,
-            dtype=torch.bfloat16,
-            device=self.device,
-        )
+        self.check_unquantized_weights(weights, torch.bfloat16)
         self.w13, self.w2 = self.frontend.prepare_weights(weights.w13, weights.w2)
         if c.knobs == tuning.AUTO:
             self._tune_weights = weights
