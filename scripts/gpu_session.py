@@ -66,6 +66,15 @@ def build(cache: Path, tune_contracts: bool = False) -> int:
                 c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit
             )
             prebuild_candidates(cfg, TUNE_TOKENS, name)
+
+    # the EP layer test (loopback ranks; the EP kernel takes the global expert count)
+    from tests.backends.mega.kernel.sm90.test_bf16_ep_layer_gpu import EP_GEOMETRY, EP_WORLDS
+
+    ep_cfg = moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(**EP_GEOMETRY)
+    ep_geometry = tuning.make_geometry(ep_cfg, ep_cfg.num_experts)
+    for world in EP_WORLDS:
+        lib = drop.Bf16EpFrontend(ep_geometry, drop.default_bf16_ep_knobs(ep_geometry, world, world)).build(cache)
+        print(f"EP layer test, {world} loopback ranks: {lib.name}", flush=True)
     size = sum(p.stat().st_size for p in cache.rglob("*") if p.is_file())
     print(f"kernel cache {cache}: {size / 2**20:.1f} MiB")
     return 0

@@ -19,6 +19,7 @@ Importing this package initializes no CUDA context and imports no cutlass, nvshm
 from __future__ import annotations
 
 from .backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl import Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig
+from .backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl.ep_backend import make_loopback_group
 from .backends.mega.reference import ReferenceMegaMoeConfig
 from .config import BootstrapConfig, FleetParams, MegaConfig, MegaKernelConfig, MoEEpTensors, MoEWeightPack
 from .core.contracts import CONTRACTS, ModelContract, get_contract
@@ -54,6 +55,7 @@ __all__ = [
     "Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig",
     "create_mega_kernel",
     "get_contract",
+    "make_loopback_group",
     "register_mega_kernel",
     "registered_mega_kernels",
 ]

@@ -24,6 +24,11 @@ class BootstrapConfig:
     ``process_group``: the EP group (torch.distributed); ``None`` means the default group when
     ``world_size > 1``. ``device``: this rank's device (default: the current CUDA device, else CPU).
     ``transport_timeout_s``: deadline of every cross-rank wait in the kernels.
+    ``symmetric_memory``: where kernel backends put cross-rank buffers at ``world_size > 1``: ``auto``
+    (= ``nvshmem``: one process per GPU, after ``bootstrap_moe_ep_runtime``) or ``loopback``
+    (``world_size`` logical ranks inside one process on one GPU, sharing ``loopback_group`` from
+    ``make_loopback_group``: for testing the cross-rank protocol on a single GPU; not a performance
+    mode). The reference backend ignores both (it uses torch.distributed).
     """
 
     world_size: int = 1
@@ -32,8 +37,18 @@ class BootstrapConfig:
     process_group: Any = None
     local_rank: int | None = None
     transport_timeout_s: float = 30.0
+    symmetric_memory: str = "auto"
+    loopback_group: Any = None
 
     def __post_init__(self) -> None:
+        if self.symmetric_memory not in ("auto", "nvshmem", "loopback"):
+            raise MoEEpConfigError(
+                f"BootstrapConfig.symmetric_memory must be auto, nvshmem or loopback, got {self.symmetric_memory!r}"
+            )
+        if self.symmetric_memory == "loopback" and self.loopback_group is None:
+            raise MoEEpConfigError(
+                "symmetric_memory='loopback' needs loopback_group=make_loopback_group(world, device)"
+            )
         _positive_int("BootstrapConfig.world_size", self.world_size)
         if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
             raise MoEEpConfigError(f"BootstrapConfig.rank must be in [0, {self.world_size}), got {self.rank!r}")

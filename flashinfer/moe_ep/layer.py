@@ -85,6 +85,12 @@ class MoEEpMegaLayer:
 
     __call__ = forward
 
+    def check_transport(self) -> None:
+        """Wait for this rank's last forward and raise ``MoEEpTransportError`` (stage, peer, forward) if a
+        cross-rank wait in it expired. ``forward`` also raises for an earlier forward that is known to
+        have failed, without waiting."""
+        self.backend.check_transport()
+
     def warmup(self) -> None:
         """Compile or load kernels and run them once (call before serving and before graph capture)."""
         self.backend.warmup()

@@ -119,6 +119,9 @@ class MegaKernelBackend(abc.ABC):
     def compute(self, staged: Any, output: torch.Tensor) -> torch.Tensor:
         """Run the layer into ``output`` [T, H] bf16 and return it."""
 
+    def check_transport(self) -> None:
+        """Wait for the last forward; raise ``MoEEpTransportError`` if a cross-rank wait expired in it."""
+
     # -- lifetime ---------------------------------------------------------------------------------
     def warmup(self) -> None:
         """Compile/load kernels and run once so the first served forward pays nothing extra."""

@@ -10,6 +10,7 @@ from .shim import autotune, comm, frontend, kernel_cache, kernel_helpers, knob_c
 from .shim._paths import SRC_DIR
 from .shim.audit import audit_src
 from .shim.bf16 import Bf16Frontend, Bf16Knobs, default_bf16_knobs
+from .shim.bf16_ep import Bf16EpFrontend, Bf16EpKnobs, EpRankState, default_bf16_ep_knobs
 from .shim.drop_update import NEXT_STEPS, update_drop
 from .shim.frontend import (
     ARCH,
@@ -24,6 +25,8 @@ from .shim.vendor import check_manifest, read_vendor
 
 __all__ = [
     "ARCH",
+    "Bf16EpFrontend",
+    "Bf16EpKnobs",
     "Bf16Frontend",
     "Bf16Knobs",
     "Geometry",
@@ -35,6 +38,8 @@ __all__ = [
     "KernelUnavailableError",
     "check_manifest",
     "comm",
+    "EpRankState",
+    "default_bf16_ep_knobs",
     "default_bf16_knobs",
     "dsl_available",
     "frontend",

@@ -1,7 +1,16 @@
-"""Reference backend: the core reference math, with a real all-to-all dispatch/combine for EP."""
+"""Reference backend: the core reference math, with a real all-to-all dispatch/combine for EP.
+
+``weight_format`` ``bf16`` runs ``core.reference``; ``mxfp8`` / ``nvfp4`` run ``core.reference_quant``.
+In every format the all-to-all moves bf16 hidden rows; the quantized formats quantize them on the rank
+that owns the expert. That equals quantizing on the source rank: with the global scale fixed (MXFP8 has
+none; NVFP4's is static or all-reduced over the group before dispatch) quantization is per row along H.
+The dynamic NVFP4 FC2-input scale is all-reduced likewise, so the EP result equals
+``moe_reference_quantized`` on the concatenated inputs (up to fp32 accumulation order).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -9,7 +18,14 @@ import torch.distributed as dist
 
 from ....config import MoEEpTensors, MoEWeightPack
 from ....core.reference import combine_topk, expert_outputs
-from ....errors import MoEEpConfigError
+from ....core.reference_quant import (
+    QuantizedExpertWeights,
+    fake_quantize_activation,
+    nvfp4_global_scale_of_amax,
+    quantized_fc1,
+    quantized_fc2,
+)
+from ....errors import MoEEpConfigError, MoEEpInputError
 from ..base import MegaKernelBackend
 from .config import ReferenceMegaMoeConfig
 
@@ -22,8 +38,9 @@ class ReferenceMegaMoeBackend(MegaKernelBackend):
         self.group = None
         if self.world_size > 1:
             self.group = self._ep_group()
-        self.w13: torch.Tensor | None = None
+        self.w13: torch.Tensor | None = None  # bf16 path: as given; quantized: dequantized fp32 (exact)
         self.w2: torch.Tensor | None = None
+        self.qweights: QuantizedExpertWeights | None = None
 
     def _ep_group(self) -> Any:
         b = self.bootstrap
@@ -44,24 +61,113 @@ class ReferenceMegaMoeBackend(MegaKernelBackend):
             raise MoEEpConfigError(f"the reference EP path on CPU needs a gloo process group, got {backend!r}")
         return group
 
+    @property
+    def weight_format(self) -> str:
+        return self.config.weight_format
+
     def preprocess_weights(self, weights: MoEWeightPack) -> None:
-        self.check_unquantized_weights(weights, (torch.bfloat16, torch.float16, torch.float32))
-        self.w13, self.w2 = weights.w13, weights.w2
+        fmt = self.weight_format
+        if fmt == "bf16":
+            self.check_unquantized_weights(weights, (torch.bfloat16, torch.float16, torch.float32))
+            self.w13, self.w2 = weights.w13, weights.w2
+            return
+        c = self.config
+        missing = [n for n in ("w13_scale", "w2_scale") if getattr(weights, n) is None]
+        if fmt == "nvfp4":
+            missing += [n for n in ("w13_global_scale", "w2_global_scale") if getattr(weights, n) is None]
+        if missing:
+            raise MoEEpInputError(
+                f"weight_format={fmt!r} needs quantized weights with their scales; missing: "
+                f"{', '.join('weights.' + n for n in missing)} "
+                "(quantize BF16 weights with core.reference_quant.quantize_expert_weights)"
+            )
+        q = QuantizedExpertWeights(
+            fmt,
+            weights.w13,
+            weights.w13_scale,  # type: ignore[arg-type]
+            weights.w2,
+            weights.w2_scale,  # type: ignore[arg-type]
+            weights.w13_global_scale,
+            weights.w2_global_scale,
+        )
+        q.check(
+            num_local_experts=self.num_local_experts,
+            fc1_rows=c.fc1_rows,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            device=self.device,
+        )
+        self.w13, self.w2 = q.dequantize()  # also rejects NaN element codes and the UE8M0 NaN scale
+        self.qweights = q
 
     def compute(self, staged: MoEEpTensors, output: torch.Tensor) -> torch.Tensor:
         x, ids, w = staged.hidden_states, staged.topk_ids, staged.topk_weights
         t, k = ids.shape
         flat = ids.reshape(-1).long()
-        x_pairs = x.repeat_interleave(k, dim=0)
-        if self.world_size == 1:
-            y = expert_outputs(x_pairs, flat, self.w13, self.w2, self.config.activation_spec)
+        if self.weight_format == "bf16":
+            x_pairs = x.repeat_interleave(k, dim=0)
+            if self.world_size == 1:
+                y = expert_outputs(x_pairs, flat, self.w13, self.w2, self.config.activation_spec)
+            else:
+                y = self._ep_expert_outputs(x_pairs, flat)
         else:
-            y = self._ep_expert_outputs(x_pairs, flat)
+            y = self._quantized_expert_outputs(staged, flat)
         output.copy_(combine_topk(y.view(t, k, self.config.hidden_size), w))
         return output
 
-    def _ep_expert_outputs(self, x_pairs: torch.Tensor, flat_ids: torch.Tensor) -> torch.Tensor:
-        """Send each (token, k) row to the rank owning its expert, compute there, send the result back."""
+    # -- the quantized formats --------------------------------------------------------------------
+    def _group_amax(self, local: torch.Tensor) -> torch.Tensor:
+        """amax over the whole EP group (max is exact and order-free: every rank gets the same value)."""
+        amax = local.abs().amax() if local.numel() else torch.zeros((), device=local.device)
+        amax = amax.float().reshape(1).clone()
+        if self.world_size > 1:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
+        return amax.reshape(())
+
+    def _activation_global_scale(self, given: float | None, local: torch.Tensor) -> torch.Tensor | None:
+        """NVFP4: the static scale, or the dynamic one of the group's whole tensor; MXFP8: None."""
+        if self.weight_format != "nvfp4":
+            return None
+        if given is not None:
+            return torch.tensor(given, dtype=torch.float32, device=local.device)
+        return nvfp4_global_scale_of_amax(self._group_amax(local))
+
+    def _quantized_expert_outputs(self, staged: MoEEpTensors, flat_ids: torch.Tensor) -> torch.Tensor:
+        c, fmt = self.config, self.weight_format
+        if staged.scales is not None:
+            raise MoEEpInputError(
+                f"the reference backend ({fmt}) takes bf16 hidden_states and quantizes them itself; "
+                "pre-quantized activations (MoEEpTensors.scales) are not accepted by the layer yet"
+            )
+        x = staged.hidden_states
+        k = c.top_k
+        # Collective in EP (every rank calls it, in the same order): the FC1-input global scale.
+        gs1 = self._activation_global_scale(c.input_global_scale, x)
+
+        def experts(x_rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+            # Quantized on the owner: per row along H once gs1 is fixed, so equal to the source's bits.
+            xq, _ = fake_quantize_activation(x_rows, fmt, gs1)
+            a = quantized_fc1(xq, local_ids, self.w13, c.activation_spec)
+            gs2 = self._activation_global_scale(c.fc2_input_global_scale, a)  # collective in EP
+            aq, _ = fake_quantize_activation(a, fmt, gs2)
+            return quantized_fc2(aq, local_ids, self.w2)
+
+        x_pairs = x.repeat_interleave(k, dim=0)
+        if self.world_size == 1:
+            return experts(x_pairs, flat_ids)
+        return self._ep_expert_outputs(x_pairs, flat_ids, experts)
+
+    # -- EP ---------------------------------------------------------------------------------------
+    def _ep_expert_outputs(
+        self,
+        x_pairs: torch.Tensor,
+        flat_ids: torch.Tensor,
+        experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Send each (token, k) row to the rank owning its expert, compute there, send the result back.
+
+        ``experts(x_rows bf16 [n, H], local_ids [n]) -> bf16 [n, H]`` (default: the BF16 expert MLPs).
+        """
         e_local, h = self.num_local_experts, self.config.hidden_size
         dest = flat_ids // e_local
         order = torch.argsort(dest, stable=True)
@@ -79,7 +185,12 @@ class ReferenceMegaMoeBackend(MegaKernelBackend):
         dist.all_to_all_single(ids_recv, flat_ids[order].contiguous(), recv_split, send_split, group=self.group)
 
         local_ids = ids_recv - self.bootstrap.rank * e_local
-        y_recv = expert_outputs(x_recv.view(torch.bfloat16), local_ids, self.w13, self.w2, self.config.activation_spec)
+        if experts is None:
+            y_recv = expert_outputs(
+                x_recv.view(torch.bfloat16), local_ids, self.w13, self.w2, self.config.activation_spec
+            )
+        else:
+            y_recv = experts(x_recv.view(torch.bfloat16), local_ids)
 
         y_back = torch.empty(x_pairs.shape[0], 2 * h, dtype=torch.uint8, device=x_pairs.device)
         dist.all_to_all_single(y_back, y_recv.view(torch.uint8), send_split, recv_split, group=self.group)
@@ -89,6 +200,7 @@ class ReferenceMegaMoeBackend(MegaKernelBackend):
 
     def destroy(self) -> None:
         self.w13 = self.w2 = None
+        self.qweights = None
 
 
 __all__ = ["ReferenceMegaMoeBackend"]

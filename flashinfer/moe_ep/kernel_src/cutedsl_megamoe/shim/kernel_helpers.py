@@ -66,13 +66,24 @@ SRC_SYMBOLS: dict[str, SrcSymbol] = {
     ),
     "export_moe_bf16": SrcSymbol("moe_bf16_glu.export", "export_moe_bf16", True, ("shim/bf16.py",)),
     # expert parallelism (draft protocol; used by the loopback build script and its GPU test for now)
-    "ep_workspace": SrcSymbol("moe_bf16_glu.ep_workspace", "", False, ("scripts/build_ep_loopback.py", "tests")),
+    "ep_workspace": SrcSymbol(
+        "moe_bf16_glu.ep_workspace", "", False, ("shim/bf16_ep.py", "scripts/build_ep_loopback.py", "tests")
+    ),
     "Sm90MegaMoEBf16EpKernel": SrcSymbol(
         "moe_bf16_glu.ep_kernel",
         "Sm90MegaMoEBf16EpKernel",
         True,
-        ("scripts/build_ep_loopback.py",),
-        init_params=("activation", "tile_m", "fc1_tile_n", "fc2_tile_n", "num_sms", "world_size", "ranks_per_gpu"),
+        ("shim/bf16_ep.py", "scripts/build_ep_loopback.py"),
+        init_params=(
+            "activation",
+            "limit",
+            "tile_m",
+            "fc1_tile_n",
+            "fc2_tile_n",
+            "num_sms",
+            "world_size",
+            "ranks_per_gpu",
+        ),
     ),
     "export_moe_bf16_ep": SrcSymbol(
         "moe_bf16_glu.ep_export", "export_moe_bf16_ep", True, ("scripts/build_ep_loopback.py",)

@@ -38,13 +38,15 @@ class Sm90Bf16CutedslBackend(MegaKernelBackend):
     def runtime_requirements(cls, device: torch.device) -> list[str]:
         return sm90_requirements(device)
 
+    def __new__(cls, config: Any, bootstrap: Any, *args: Any, **kwargs: Any) -> Sm90Bf16CutedslBackend:
+        if cls is Sm90Bf16CutedslBackend and getattr(bootstrap, "world_size", 1) > 1:
+            from .ep_backend import Sm90Bf16EpBackend  # world_size > 1: the in-kernel EP protocol
+
+            return super().__new__(Sm90Bf16EpBackend)
+        return super().__new__(cls)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.world_size != 1:
-            raise MoEEpConfigError(
-                f"{self.config.kernel_name} runs at world_size 1 for now (got {self.world_size}); "
-                "use the reference backend for EP"
-            )
         # One frontend per token bucket, chosen per forward from the host-side T (tuning.py).
         self.profiles = tuning.layer_profiles(
             self.config, self.num_local_experts, self.fleet.max_tokens_per_rank, self._tune_context()

@@ -1,0 +1,114 @@
+"""The SM90 BF16 backend at ``world_size > 1``: the drop's draft in-kernel EP protocol (docs/ep.md).
+
+Every rank's layer launches one chain of kernels that dispatches tokens to the owners' experts through
+symmetric buffers, runs FC1/FC2 there and combines the results back, with deadlines on every
+cross-rank wait. A wait that expires sets the rank's abort word; the layer raises
+``MoEEpTransportError`` (stage, peer, epoch) on the next ``forward`` or ``check_transport`` and the
+forward after that runs normally. Not yet: token buckets, autotune, workspace pooling, CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ......config import MoEEpTensors, MoEWeightPack
+from ......errors import MoEEpConfigError, MoEEpTransportError
+from . import tuning
+from .backend import Sm90Bf16CutedslBackend
+
+
+def make_loopback_group(world_size: int, device: torch.device | str) -> Any:
+    """A group of ``world_size`` logical ranks in this process on ``device`` (BootstrapConfig.loopback_group)."""
+    from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import kernel_helpers as kh
+
+    return kh.LoopbackGroup(world_size, torch.device(device))
+
+
+class Sm90Bf16EpBackend(Sm90Bf16CutedslBackend):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super(Sm90Bf16CutedslBackend, self).__init__(*args, **kwargs)  # the base class only: no token buckets
+        from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
+
+        b, c = self.bootstrap, self.config
+        self.mode = "loopback" if b.symmetric_memory == "loopback" else "nvshmem"
+        if c.knobs is not None:
+            raise MoEEpConfigError(f"{c.kernel_name} at world_size > 1 takes no knobs yet (got {c.knobs!r})")
+        geometry = tuning.make_geometry(c, c.num_experts)  # the EP kernel takes the GLOBAL expert count
+        ranks_per_gpu = b.world_size if self.mode == "loopback" else 1
+        self.frontend = drop.Bf16EpFrontend(geometry, drop.default_bf16_ep_knobs(geometry, b.world_size, ranks_per_gpu))
+        try:
+            self.frontend.check()
+        except ValueError as exc:
+            raise MoEEpConfigError(f"{c.kernel_name}: {exc}") from None
+        self.state: Any = None
+        self.w13: torch.Tensor | None = None
+        self.w2: torch.Tensor | None = None
+
+    def preprocess_weights(self, weights: MoEWeightPack) -> None:
+        self.check_unquantized_weights(weights, torch.bfloat16)
+        self.w13, self.w2 = self.frontend.prepare_weights(weights.w13, weights.w2)
+
+    def _provider(self) -> Any:
+        from flashinfer.moe_ep.core.runtime.bootstrap import current_runtime
+        from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import comm
+
+        b = self.bootstrap
+        if self.mode == "loopback":
+            return comm.make_provider("loopback", b.world_size, b.rank, self.device, b.loopback_group)
+        rt = current_runtime()
+        if rt is None or not rt.nvshmem:
+            raise MoEEpConfigError(
+                "world_size > 1 with NVSHMEM needs bootstrap_moe_ep_runtime(BootstrapConfig(...)) first "
+                "(or symmetric_memory='loopback' for R ranks on one GPU)"
+            )
+        return comm.make_provider("nvshmem", b.world_size, b.rank, self.device)
+
+    def allocate_workspace(self) -> None:
+        from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import EpRankState
+
+        with torch.cuda.device(self.device):
+            try:
+                self.state = EpRankState(
+                    self.frontend, self._provider(), self.bootstrap.rank, self.fleet.max_tokens_per_rank, self.device
+                )
+            except MemoryError as exc:
+                raise MoEEpConfigError(str(exc)) from None
+
+    def warmup(self) -> None:
+        """Loads the kernel only: a forward is collective, so it cannot run one rank alone here."""
+        self._load()
+
+    def _raise_if_aborted(self, wait: bool) -> None:
+        hit = self.state.poll_abort(wait)
+        if hit is not None:
+            stage, peer, epoch = hit
+            b = self.bootstrap
+            raise MoEEpTransportError(
+                f"rank {b.rank} of {b.world_size}: the cross-rank wait '{self.state.describe_stage(stage)}' on "
+                f"rank {peer} timed out after {b.transport_timeout_s:g} s in forward #{epoch}; that forward's "
+                "output is invalid. The next forward runs normally once every rank calls it again."
+            )
+
+    def check_transport(self) -> None:
+        """Wait for the last forward and raise ``MoEEpTransportError`` if a cross-rank wait expired."""
+        self._raise_if_aborted(wait=True)
+
+    def compute(self, staged: MoEEpTensors, output: torch.Tensor) -> torch.Tensor:
+        self._raise_if_aborted(wait=False)  # a finished earlier forward that aborted (no sync)
+        self._load()
+        timeout_ns = int(self.bootstrap.transport_timeout_s * 1e9)
+        # T = 0 still launches: the rank must publish zero counts and take part in every signal.
+        return self.state.launch(
+            staged.hidden_states, staged.topk_ids, staged.topk_weights, self.w13, self.w2, output, timeout_ns
+        )
+
+    def destroy(self) -> None:
+        if self.state is not None:
+            self.state.release()
+            self.state = None
+        self.w13 = self.w2 = None
+
+
+__all__ = ["Sm90Bf16EpBackend", "make_loopback_group"]
