@@ -10,6 +10,7 @@ slot k) with expert ``e = topk_ids[t, k]``::
 
 Expert parallelism only moves rows between ranks; it does not change any rounding point, so the same
 two pieces (:func:`expert_outputs`, :func:`combine_topk`) serve the single-process and the EP oracle.
+The quantized layers (MXFP8, NVFP4) are in :mod:`core.reference_quant`, which reuses :func:`combine_topk`.
 """
 
 from __future__ import annotations

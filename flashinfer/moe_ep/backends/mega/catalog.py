@@ -45,7 +45,7 @@ CATALOG: tuple[BackendEntry, ...] = (
         "reference",
         f"{_PKG}.reference.config:ReferenceMegaMoeConfig",
         f"{_PKG}.reference.backend:ReferenceMegaMoeBackend",
-        "bf16",
+        "bf16, mxfp8, nvfp4",
         "pure torch, any device and world size (EP over torch.distributed all-to-all)",
     ),
 )
