@@ -29,8 +29,9 @@ class Bf16Knobs:
     cluster_m: int = 1
 
 
-def _widest_tile(n: int) -> int:
-    return next(t for t in (256, 128, 64) if n % t == 0)
+def widest_tile(n: int, widest: int = 256) -> int:
+    """The widest N tile (of 256, 128, 64, at most ``widest``) that divides ``n``."""
+    return next(t for t in (256, 128, 64) if t <= widest and n % t == 0)
 
 
 def default_bf16_knobs(geometry: Geometry) -> Bf16Knobs:
@@ -38,7 +39,7 @@ def default_bf16_knobs(geometry: Geometry) -> Bf16Knobs:
     prefill shape measured on the H200 (TUNING.md); other knobs at their defaults."""
     gated = geometry.activation in kh.constants.GATED_ACTIVATIONS
     fc1_n = 2 * geometry.intermediate if gated else geometry.intermediate
-    return Bf16Knobs(fc1_tile_n=_widest_tile(fc1_n), fc2_tile_n=_widest_tile(geometry.hidden))
+    return Bf16Knobs(fc1_tile_n=widest_tile(fc1_n), fc2_tile_n=widest_tile(geometry.hidden))
 
 
 class Bf16Frontend(KernelFrontend):
@@ -51,12 +52,13 @@ class Bf16Frontend(KernelFrontend):
     def gated(self) -> bool:
         return self.geometry.activation in kh.constants.GATED_ACTIVATIONS
 
-    def check(self) -> None:
+    def check_glu_problem(self, local_experts: int) -> None:
+        """Rules of every BF16 GLU kernel (world size 1 and EP): activation, sizes, N tiles."""
         g, k, c = self.geometry, self.knobs, kh.constants
         if g.activation not in c.ACTIVATIONS:
             raise ValueError(f"activation {g.activation!r} is not served by the BF16 kernel")
-        if g.num_experts > c.MAX_EXPERTS:
-            raise ValueError(f"the BF16 kernel serves at most {c.MAX_EXPERTS} experts per rank, got {g.num_experts}")
+        if local_experts > c.MAX_EXPERTS:
+            raise ValueError(f"the BF16 kernel serves at most {c.MAX_EXPERTS} experts per rank, got {local_experts}")
         if g.hidden % c.TILE_K or g.intermediate % c.TILE_K:
             raise ValueError(f"the BF16 kernel needs hidden and intermediate sizes that are multiples of {c.TILE_K}")
         fc1_n = 2 * g.intermediate if self.gated else g.intermediate
@@ -65,6 +67,10 @@ class Bf16Frontend(KernelFrontend):
                 f"FC1 N={fc1_n} must be a multiple of fc1_tile_n={k.fc1_tile_n} and "
                 f"hidden={g.hidden} of fc2_tile_n={k.fc2_tile_n}"
             )
+
+    def check(self) -> None:
+        k = self.knobs
+        self.check_glu_problem(self.geometry.num_experts)
         if k.tile_m not in (64, 128, 256):
             raise ValueError(f"tile_m must be 64, 128 or 256, got {k.tile_m}")
         if k.tile_m == 256 and 256 in (k.fc1_tile_n, k.fc2_tile_n):

@@ -12,7 +12,8 @@ import torch
 
 from . import comm
 from . import kernel_helpers as kh
-from .frontend import Geometry, KernelFrontend
+from .bf16 import Bf16Frontend, widest_tile
+from .frontend import Geometry
 
 _TORCH = {"int32": torch.int32, "bfloat16": torch.bfloat16, "float32": torch.float32, "int64": torch.int64}
 
@@ -31,30 +32,28 @@ class Bf16EpKnobs:
 
 
 def default_bf16_ep_knobs(geometry: Geometry, world_size: int, ranks_per_gpu: int) -> Bf16EpKnobs:
+    """64-row M tiles and N tiles up to 128 wide: the shapes the loopback tests ran (not tuned yet)."""
     gated = geometry.activation in kh.constants.GATED_ACTIVATIONS
     fc1_n = 2 * geometry.intermediate if gated else geometry.intermediate
     return Bf16EpKnobs(
         world_size=world_size,
         ranks_per_gpu=ranks_per_gpu,
-        fc1_tile_n=128 if fc1_n % 128 == 0 else 64,
-        fc2_tile_n=128 if geometry.hidden % 128 == 0 else 64,
+        fc1_tile_n=widest_tile(fc1_n, 128),
+        fc2_tile_n=widest_tile(geometry.hidden, 128),
     )
 
 
-class Bf16EpFrontend(KernelFrontend):
-    """``geometry.num_experts`` is the GLOBAL expert count here (the kernel splits it over ranks)."""
+class Bf16EpFrontend(Bf16Frontend):
+    """``geometry.num_experts`` is the GLOBAL expert count here (the kernel splits it over ranks).
+    Shares the GLU rules and the weight layout (``prepare_weights``) with the world-size-1 frontend."""
 
     kernel_family = "moe_bf16_ep"
 
     def check(self) -> None:
-        g, k, c = self.geometry, self.knobs, kh.constants
+        g, k = self.geometry, self.knobs
         if g.num_experts % k.world_size:
             raise ValueError(f"{g.num_experts} experts do not split over {k.world_size} ranks")
-        if g.hidden % c.TILE_K or g.intermediate % c.TILE_K:
-            raise ValueError(f"hidden and intermediate sizes must be multiples of {c.TILE_K}")
-        fc1_n = 2 * g.intermediate if g.activation in c.GATED_ACTIVATIONS else g.intermediate
-        if fc1_n % k.fc1_tile_n or g.hidden % k.fc2_tile_n:
-            raise ValueError(f"FC1 N={fc1_n} / H={g.hidden} must divide by the N tiles {k.fc1_tile_n}/{k.fc2_tile_n}")
+        self.check_glu_problem(g.num_experts // k.world_size)
         if k.num_sms // k.ranks_per_gpu < 1:
             raise ValueError(f"ranks_per_gpu={k.ranks_per_gpu} leaves no SM per rank")
 
@@ -86,11 +85,6 @@ class Bf16EpFrontend(KernelFrontend):
             )
         ]  # fmt: skip
 
-    def prepare_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.geometry.activation in kh.constants.GATED_ACTIVATIONS:
-            w13 = kh.interleave_gate_up(w13, self.knobs.fc1_tile_n)
-        return w13.contiguous(), w2.contiguous()
-
 
 class EpRankState:
     """One rank's EP state: symmetric arena + tables, local workspace, abort word, epochs.
@@ -98,8 +92,6 @@ class EpRankState:
     ``provider``: a symmetric-buffer provider (``comm.make_provider``). Construct every rank's state
     before any rank's first forward (the flags must be zero before anyone signals).
     """
-
-    ABORT_STAGES = None  # filled lazily from the drop (ep_workspace.ABORT_STAGES)
 
     def __init__(self, frontend: Bf16EpFrontend, provider: Any, rank: int, max_tokens: int, device: torch.device):
         self.frontend, self.rank, self.device = frontend, rank, device
