@@ -91,6 +91,11 @@ class MoEEpMegaLayer:
         have failed, without waiting."""
         self.backend.check_transport()
 
+    def recover_transport(self) -> None:
+        """Collective (every rank of the EP group calls it) after a ``MoEEpTransportError``: waits for
+        this rank's work and resynchronizes the ranks' protocol state; the next forward runs normally."""
+        self.backend.recover_transport()
+
     def warmup(self) -> None:
         """Compile or load kernels and run them once (call before serving and before graph capture)."""
         self.backend.warmup()

@@ -122,6 +122,9 @@ class MegaKernelBackend(abc.ABC):
     def check_transport(self) -> None:
         """Wait for the last forward; raise ``MoEEpTransportError`` if a cross-rank wait expired in it."""
 
+    def recover_transport(self) -> None:
+        """Collective, after a ``MoEEpTransportError``: bring every rank's cross-rank state back in step."""
+
     # -- lifetime ---------------------------------------------------------------------------------
     def warmup(self) -> None:
         """Compile/load kernels and run once so the first served forward pays nothing extra."""

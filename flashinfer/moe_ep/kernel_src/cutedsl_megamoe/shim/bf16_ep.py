@@ -146,6 +146,13 @@ class EpRankState:
         self.prev_epoch = 0
         return stage, peer, epoch
 
+    def resync(self, epoch: int) -> None:
+        """After a failed forward (host synchronized): continue from ``epoch``, the largest epoch of any
+        rank, so the next forward's flags (epoch + 1) are newer than anything the failed one wrote."""
+        self.epoch = epoch
+        self.prev_epoch = 0  # every rank is idle now: nobody still reads our buffers
+        self.abort_event = None
+
     @staticmethod
     def describe_stage(stage: int) -> str:
         return kh.ep_workspace.ABORT_STAGES.get(stage, f"stage {stage}")

@@ -3,8 +3,9 @@
 Every rank's layer launches one chain of kernels that dispatches tokens to the owners' experts through
 symmetric buffers, runs FC1/FC2 there and combines the results back, with deadlines on every
 cross-rank wait. A wait that expires sets the rank's abort word; the layer raises
-``MoEEpTransportError`` (stage, peer, epoch) on the next ``forward`` or ``check_transport`` and the
-forward after that runs normally. Not yet: token buckets, autotune, workspace pooling, CUDA graphs.
+``MoEEpTransportError`` (stage, peer, epoch) on the next ``forward`` or ``check_transport``. Every
+rank then calls ``recover_transport()`` (collective) and the next forward runs normally. Not yet: token
+buckets, autotune, workspace pooling, CUDA graphs.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from ......config import MoEEpTensors, MoEWeightPack
 from ......errors import MoEEpConfigError, MoEEpTransportError
 from . import tuning
 from .backend import Sm90Bf16CutedslBackend
+
+#: loopback group -> {rank: EpRankState}: how one logical rank's recovery sees the others' epochs
+_LOOPBACK_STATES: dict[int, dict[int, Any]] = {}
 
 
 def make_loopback_group(world_size: int, device: torch.device | str) -> Any:
@@ -75,6 +79,8 @@ class Sm90Bf16EpBackend(Sm90Bf16CutedslBackend):
                 )
             except MemoryError as exc:
                 raise MoEEpConfigError(str(exc)) from None
+        if self.mode == "loopback":
+            _LOOPBACK_STATES.setdefault(id(self.bootstrap.loopback_group), {})[self.bootstrap.rank] = self.state
 
     def warmup(self) -> None:
         """Loads the kernel only: a forward is collective, so it cannot run one rank alone here."""
@@ -88,12 +94,31 @@ class Sm90Bf16EpBackend(Sm90Bf16CutedslBackend):
             raise MoEEpTransportError(
                 f"rank {b.rank} of {b.world_size}: the cross-rank wait '{self.state.describe_stage(stage)}' on "
                 f"rank {peer} timed out after {b.transport_timeout_s:g} s in forward #{epoch}; that forward's "
-                "output is invalid. The next forward runs normally once every rank calls it again."
+                "output is invalid. Call recover_transport() on every rank, then forward again."
             )
 
     def check_transport(self) -> None:
         """Wait for the last forward and raise ``MoEEpTransportError`` if a cross-rank wait expired."""
         self._raise_if_aborted(wait=True)
+
+    def recover_transport(self) -> None:
+        """Collective (every rank calls it, after a ``MoEEpTransportError``): wait for this rank's work,
+        then agree on the largest epoch any rank reached, so that the next forward's flags are newer than
+        anything a failed forward left behind, also on a rank that never ran it."""
+        torch.cuda.synchronize(self.device)
+        if self.mode == "loopback":
+            states = _LOOPBACK_STATES.get(id(self.bootstrap.loopback_group), {})
+            top = max(s.epoch for s in states.values())
+            for s in states.values():  # one process holds every rank: set them all (idempotent)
+                s.resync(top)
+            return
+        import torch.distributed as dist
+
+        from flashinfer.moe_ep.core.runtime.bootstrap import current_runtime
+
+        epoch = torch.tensor([self.state.epoch], dtype=torch.int64, device=self.device)
+        dist.all_reduce(epoch, op=dist.ReduceOp.MAX, group=current_runtime().group)
+        self.state.resync(int(epoch.item()))
 
     def compute(self, staged: MoEEpTensors, output: torch.Tensor) -> torch.Tensor:
         self._raise_if_aborted(wait=False)  # a finished earlier forward that aborted (no sync)
@@ -106,6 +131,8 @@ class Sm90Bf16EpBackend(Sm90Bf16CutedslBackend):
 
     def destroy(self) -> None:
         if self.state is not None:
+            if self.mode == "loopback":
+                _LOOPBACK_STATES.get(id(self.bootstrap.loopback_group), {}).pop(self.bootstrap.rank, None)
             self.state.release()
             self.state = None
         self.w13 = self.w2 = None
