@@ -9,6 +9,7 @@ allocation, errors that name the fix) lives here once.
 from __future__ import annotations
 
 import abc
+import functools
 import importlib.util
 import os
 import sys
@@ -80,8 +81,9 @@ class KernelFrontend(abc.ABC):
         """``BufferSpec``s (name, shape, dtype name) in call order."""
 
     # -- shared -------------------------------------------------------------------------------------
-    @property
+    @functools.cached_property
     def key(self) -> KernelKey:
+        """The cache key (computed once: geometry and knobs are frozen, VENDOR.md is read once here)."""
         record = read_vendor()
         knobs = asdict(self.knobs) if hasattr(self.knobs, "__dataclass_fields__") else dict(self.knobs)
         return KernelKey(
@@ -141,15 +143,6 @@ class KernelFrontend(abc.ABC):
     def allocate_workspace(self, max_tokens: int, device: torch.device) -> dict[str, torch.Tensor]:
         return allocate_shared_workspace([self], max_tokens, device)[0]
 
-    @staticmethod
-    def workspace_bytes(specs: list[Any]) -> int:
-        n = 0
-        for spec in specs:
-            count = 1
-            for s in spec.shape:
-                count *= s
-            n += count * torch.tensor([], dtype=_DTYPES[spec.dtype]).element_size()
-        return n
 
 
 def allocate_shared_workspace(
