@@ -49,19 +49,21 @@ def test_real_drop_passes_the_contract_audit() -> None:
     assert drop.audit_src(SRC) == []
 
 
-def test_renamed_helper_is_exactly_one_break_at_its_entry(tmp_path: Path, capsys) -> None:
+def test_renamed_helper_breaks_its_entry_and_its_importers(tmp_path: Path, capsys) -> None:
+    """Renaming a helper breaks its own entry and every entry whose module imports it inside the drop
+    (the quantized weight packing reuses the gate/up interleave): nothing else."""
     cand = _candidate(tmp_path)
     _edit(cand / "moe_bf16_glu" / "weights.py", r"\binterleave_gate_up\b", "interleave_gate_up_v2")
     problems = drop.audit_src(cand)
-    assert len(problems) == 1, problems
-    assert problems[0].symbol == "interleave_gate_up"
+    assert [p.symbol for p in problems] == ["interleave_gate_up", "pack_quantized_weights"], problems
     assert "has no attribute 'interleave_gate_up'" in str(problems[0])
     assert "shim/kernel_helpers.py" in str(problems[0]) and "shim/bf16.py" in str(problems[0])
-    # the script prints exactly that break, and touches nothing
+    assert "shim/quant.py" in str(problems[1])
+    # the script prints exactly those breaks, and touches nothing
     before = drop.check_manifest()
     assert cli_main(["update-drop", str(cand)]) == 1
     out = capsys.readouterr().out
-    assert "1 break(s)" in out and "SRC_SYMBOLS['interleave_gate_up']" in out and "not applied" in out
+    assert "2 break(s)" in out and "SRC_SYMBOLS['interleave_gate_up']" in out and "not applied" in out
     assert drop.check_manifest() == before
 
 
@@ -109,7 +111,13 @@ def test_update_copies_kernel_packages_only(tmp_path: Path) -> None:
     shutil.copy(drop.vendor.VENDOR_FILE, vendor)
     report = drop.update_drop(cand, version="v99", src_dir=src_dir, vendor_file=vendor)
     assert report.applied and not report.problems
-    assert sorted(p.name for p in src_dir.iterdir()) == ["__init__.py", "common", "moe_bf16_glu", "src"]
+    assert sorted(p.name for p in src_dir.iterdir()) == [
+        "__init__.py",
+        "common",
+        "moe_bf16_glu",
+        "moe_quant_glu",
+        "src",
+    ]
     assert {"ci/", "tester/", "tests/", "scripts/", "README.md"} <= set(report.skipped)
     record = read_vendor(vendor)
     assert record.version == "v99" and record.manifest == compute_manifest(src_dir)

@@ -29,6 +29,12 @@ BF16_KERNEL_CALL = (
     "stream",
 )  # fmt: skip
 
+QUANT_KERNEL_CALL = (
+    "x", "topk_ids", "topk_weights", "w13", "w2", "w13_gscale", "w2_gscale", "act_gscale", "out",
+    "pair_row", "pair_rank", "expert_count", "cta_base", "expert_off", "m_block_expert", "meta", "a_buf", "h_buf",
+    "stream",
+)  # fmt: skip
+
 SRC_SYMBOLS: dict[str, SrcSymbol] = {
     # constants and host utilities (torch / stdlib only)
     "constants": SrcSymbol("common.constants", "", False, ("shim/bf16.py",)),
@@ -65,6 +71,27 @@ SRC_SYMBOLS: dict[str, SrcSymbol] = {
         call_params=BF16_KERNEL_CALL,
     ),
     "export_moe_bf16": SrcSymbol("moe_bf16_glu.export", "export_moe_bf16", True, ("shim/bf16.py",)),
+    # block-scaled kernels (MXFP8, NVFP4)
+    "pack_quantized_weights": SrcSymbol("moe_quant_glu.weights", "pack_quantized_weights", False, ("shim/quant.py",)),
+    "Sm90MegaMoEQuantKernel": SrcSymbol(
+        "moe_quant_glu.kernel",
+        "Sm90MegaMoEQuantKernel",
+        True,
+        ("shim/quant.py",),
+        init_params=(
+            "fmt",
+            "activation",
+            "limit",
+            "tile_m",
+            "fc1_tile_n",
+            "fc2_tile_n",
+            "num_sms",
+            "fc1_stages",
+            "fc2_stages",
+        ),
+        call_params=QUANT_KERNEL_CALL,
+    ),
+    "export_moe_quant": SrcSymbol("moe_quant_glu.export", "export_moe_quant", True, ("shim/quant.py",)),
     # expert parallelism (draft protocol; used by the loopback build script and its GPU test for now)
     "ep_workspace": SrcSymbol(
         "moe_bf16_glu.ep_workspace", "", False, ("shim/bf16_ep.py", "scripts/build_ep_loopback.py", "tests")
@@ -106,4 +133,4 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *SRC_SYMBOLS])
 
 
-__all__ = ["BF16_KERNEL_CALL", "SRC_SYMBOLS", "SrcSymbol"]
+__all__ = ["BF16_KERNEL_CALL", "QUANT_KERNEL_CALL", "SRC_SYMBOLS", "SrcSymbol"]

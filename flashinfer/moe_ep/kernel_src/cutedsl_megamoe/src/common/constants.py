@@ -24,3 +24,13 @@ MAX_EXPERTS = ROUTING_THREADS
 TILE_K = 64
 # Elements per 16-byte vector of bf16.
 BF16_PER_16B = 8
+
+# Block-scaled weight formats of the quantized kernel (moe_quant_glu).
+FMT_MXFP8 = "mxfp8"  # E4M3 elements, UE8M0 scale per 32
+FMT_NVFP4 = "nvfp4"  # E2M1 elements (2 per byte), E4M3 scale per 16, fp32 global scale per tensor
+QUANT_FORMATS = (FMT_MXFP8, FMT_NVFP4)
+QUANT_BLOCK = {FMT_MXFP8: 32, FMT_NVFP4: 16}
+# Bytes of one packed weight row per K tile (TILE_K elements): the data, its scales, zero padding
+# to a multiple of 16 (one TMA box carries a tile's data and scales).
+QUANT_DATA_BYTES = {FMT_MXFP8: TILE_K, FMT_NVFP4: TILE_K // 2}
+QUANT_ROW_BYTES = {FMT_MXFP8: 80, FMT_NVFP4: 48}

@@ -1,1 +1,2 @@
-"""Device-side helpers shared by the kernels of the drop (activations, vector copies)."""
+"""Device-side helpers shared by the kernels of the drop (activations, block-scaled formats, symmetric
+buffers)."""

@@ -1,0 +1,102 @@
+"""Compile ``Sm90MegaMoEQuantKernel`` ahead of time and export it as a TVM-FFI shared library.
+
+Same recipe and calling convention style as ``moe_bf16_glu.export``; argument order::
+
+    fn(x, topk_ids, topk_weights, w13_packed, w2_packed, w13_gscale, w2_gscale, act_gscale, out,
+       pair_row, pair_rank, expert_count, cta_base, expert_off, m_block_expert, meta, a_buf, h_buf)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+from ..common import constants
+from ..moe_bf16_glu.export import _ldflags
+from .kernel import Sm90MegaMoEQuantKernel
+
+
+def check_problem(kernel: Sm90MegaMoEQuantKernel, hidden: int, inter: int, num_experts: int, top_k: int) -> None:
+    """Raise ValueError when the static problem shape does not fit the kernel's knobs."""
+    if num_experts > constants.MAX_EXPERTS:
+        raise ValueError(f"at most {constants.MAX_EXPERTS} experts, got {num_experts}")
+    if hidden % constants.TILE_K or inter % constants.TILE_K:
+        raise ValueError(f"H and I must be multiples of {constants.TILE_K}")
+    n1 = 2 * inter if kernel.activation in constants.GATED_ACTIVATIONS else inter
+    if n1 % kernel.fc1.tile_n or hidden % kernel.fc2.tile_n:
+        raise ValueError(
+            f"FC1 N={n1} must divide by fc1_tile_n={kernel.fc1.tile_n} and H={hidden} by fc2_tile_n={kernel.fc2.tile_n}"
+        )
+    if top_k < 1:
+        raise ValueError("top_k must be >= 1")
+
+
+def fake_arguments(kernel: Sm90MegaMoEQuantKernel, hidden: int, inter: int, num_experts: int, top_k: int) -> list[Any]:
+    bf16, i32, f32, u8 = cutlass.BFloat16, cutlass.Int32, cutlass.Float32, cutlass.Uint8
+    n1 = 2 * inter if kernel.activation in constants.GATED_ACTIVATIONS else inter
+    rb = constants.QUANT_ROW_BYTES[kernel.fmt]
+    tk = constants.TILE_K
+    t = cute.sym_int()
+    m_cap = cute.sym_int()
+
+    def mat(dtype: Any, shape: tuple) -> Any:
+        order = tuple(range(len(shape) - 1, -1, -1))
+        return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=16)
+
+    return [
+        mat(bf16, (t, hidden)),
+        mat(i32, (t, top_k)),
+        mat(f32, (t, top_k)),
+        mat(u8, (num_experts, hidden // tk, n1, rb)),
+        mat(u8, (num_experts, inter // tk, hidden, rb)),
+        mat(f32, (num_experts,)),
+        mat(f32, (num_experts,)),
+        mat(f32, (2,)),
+        mat(bf16, (t, hidden)),
+        mat(i32, (cute.sym_int(),)),
+        mat(i32, (cute.sym_int(),)),
+        mat(i32, (num_experts + 1,)),
+        mat(i32, (kernel.num_sms, num_experts)),
+        mat(i32, (num_experts,)),
+        mat(i32, (cute.sym_int(),)),
+        mat(i32, (4,)),
+        mat(bf16, (m_cap, hidden)),
+        mat(bf16, (cute.sym_int(), inter)),
+        make_fake_stream(use_tvm_ffi_env_stream=True),
+    ]
+
+
+def compile_moe_quant(kernel: Sm90MegaMoEQuantKernel, hidden: int, inter: int, num_experts: int, top_k: int) -> Any:
+    check_problem(kernel, hidden, inter, num_experts, top_k)
+    args = fake_arguments(kernel, hidden, inter, num_experts, top_k)
+    return cute.compile(kernel, *args, options="--enable-tvm-ffi")
+
+
+def export_moe_quant(
+    kernel: Sm90MegaMoEQuantKernel,
+    hidden: int,
+    inter: int,
+    num_experts: int,
+    top_k: int,
+    out_dir: str | os.PathLike,
+    function_name: str = "moe_quant",
+) -> Path:
+    """Compile, export the object file and link ``lib<function_name>.so`` in ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    compiled = compile_moe_quant(kernel, hidden, inter, num_experts, top_k)
+    obj = out / f"{function_name}.o"
+    lib = out / f"lib{function_name}.so"
+    compiled.export_to_c(str(obj), function_name=function_name, export_only_tvm_ffi_symbols=True)
+    cxx = shutil.which("g++") or sysconfig.get_config_var("CXX") or "c++"
+    subprocess.run([cxx, "-shared", "-o", str(lib), str(obj), *_ldflags()], check=True)
+    obj.unlink()
+    return lib

@@ -1,0 +1,133 @@
+"""``Sm90MegaMoEQuantKernel``: the MoE expert computation with MXFP8 or NVFP4 weights and activations.
+
+``__call__`` enqueues five kernels (no host synchronization), as the BF16 kernel does:
+
+1. routing (the BF16 kernel's);
+2. gather with the activation quantized-dequantized along H (``aux_kernels.quant_gather_kernel``);
+3. FC1: packed weights dequantized in shared memory, BF16 WGMMA, the activation and the
+   requantization to the FC2 input format in the epilogue -> ``h_buf`` (exact BF16 values);
+4. FC2 the same way -> ``a_buf`` reused as y [M_cap, H] bf16;
+5. combine (the BF16 kernel's): ``out[t] = bf16(sum_k w[t,k] * y)``, k in order.
+
+The reference semantics are ``flashinfer.moe_ep.core.reference_quant`` with static NVFP4 activation
+global scales (``act_gscale = [input scale, FC2 input scale]``; MXFP8 ignores them).
+"""
+
+import cutlass.cute as cute
+
+from ..common import constants
+from ..moe_bf16_glu import aux_kernels
+from .aux_kernels import quant_gather_kernel
+from .dequant_gemm import DequantGroupedGemmSm90
+
+
+class Sm90MegaMoEQuantKernel:
+    """Compile-time knobs of the quantized MoE kernel (world size 1).
+
+    :param fmt: ``"mxfp8"`` or ``"nvfp4"`` (weights and activations).
+    :param activation, limit: as ``Sm90MegaMoEBf16Kernel``.
+    :param tile_m: rows per M tile (64 or 128).
+    :param fc1_tile_n, fc2_tile_n: N tiles (w13 gate/up rows interleaved per ``fc1_tile_n`` before
+        packing, see ``weights.pack_quantized_weights``).
+    :param num_sms, fc1_stages, fc2_stages, use_pdl, aux_vpt: as the BF16 kernel.
+    """
+
+    def __init__(
+        self,
+        fmt: str,
+        activation: str = constants.ACT_SWIGLU,
+        limit: float | None = None,
+        tile_m: int = 128,
+        fc1_tile_n: int = 256,
+        fc2_tile_n: int = 256,
+        num_sms: int = constants.DEFAULT_NUM_SMS,
+        fc1_stages: int | None = None,
+        fc2_stages: int | None = None,
+        use_pdl: bool = True,
+        aux_vpt: int = 4,
+        probe: int = 0,
+    ) -> None:
+        if fmt not in constants.QUANT_FORMATS:
+            raise ValueError(f"unknown format {fmt!r}")
+        if activation not in constants.ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}")
+        if tile_m not in (64, 128):
+            raise ValueError(f"tile_m must be 64 or 128, got {tile_m}")
+        self.fmt = fmt
+        self.activation = activation
+        self.limit = limit
+        self.tile_m = tile_m
+        self.num_sms = num_sms
+        self.aux_threads = 256
+        self.aux_grid = num_sms * 8
+        self.use_pdl = use_pdl
+        self.aux_vpt = aux_vpt
+        self.fc1 = DequantGroupedGemmSm90(
+            fmt,
+            tile_m,
+            fc1_tile_n,
+            activation,
+            limit,
+            num_sms,
+            fc1_stages,
+            requant=True,
+            gscale_index=0,
+            probe=probe,
+        )
+        self.fc2 = DequantGroupedGemmSm90(
+            fmt, tile_m, fc2_tile_n, "plain", None, num_sms, fc2_stages, gscale_index=1, probe=probe
+        )
+
+    @staticmethod
+    def _packed_view(w: cute.Tensor) -> cute.Tensor:
+        # torch [E, K/64, N, row_bytes] (contiguous) -> cute (256, N*row_bytes/256, K/64, E): each
+        # (expert, K tile) is one run of 256-byte rows (the TMA box rows, see DequantGroupedGemmSm90).
+        e, kt, n, rb = w.shape
+        run = n * rb
+        return cute.make_tensor(w.iterator, cute.make_layout((256, run // 256, kt, e), stride=(1, 256, run, kt * run)))
+
+    @cute.jit
+    def __call__(
+        self,
+        x: cute.Tensor,  # [T, H] bf16
+        topk_ids: cute.Tensor,  # [T, K] int32
+        topk_weights: cute.Tensor,  # [T, K] fp32
+        w13: cute.Tensor,  # [E, H/64, N1, row_bytes] uint8 (weights.pack_quantized_weights)
+        w2: cute.Tensor,  # [E, I/64, H, row_bytes] uint8
+        w13_gscale: cute.Tensor,  # [E] fp32 (NVFP4; ones for MXFP8)
+        w2_gscale: cute.Tensor,  # [E] fp32
+        act_gscale: cute.Tensor,  # [2] fp32: NVFP4 global scales of x and of the FC2 input
+        out: cute.Tensor,  # [T, H] bf16
+        pair_row: cute.Tensor,  # workspace: common.host_utils.moe_bf16_workspace_spec
+        pair_rank: cute.Tensor,
+        expert_count: cute.Tensor,
+        cta_base: cute.Tensor,
+        expert_off: cute.Tensor,
+        m_block_expert: cute.Tensor,
+        meta: cute.Tensor,
+        a_buf: cute.Tensor,
+        h_buf: cute.Tensor,
+        stream,
+    ):
+        num_experts = w13.shape[0]
+        pdl = self.use_pdl
+        aux_kernels.route_kernel(
+            topk_ids,
+            pair_rank,
+            expert_count,
+            cta_base,
+            expert_off,
+            m_block_expert,
+            meta,
+            num_experts,
+            self.tile_m,
+            self.tile_m,
+        ).launch(grid=[self.num_sms, 1, 1], block=[constants.ROUTING_THREADS, 1, 1], stream=stream, use_pdl=pdl)
+        quant_gather_kernel(
+            x, topk_ids, pair_rank, expert_off, cta_base, pair_row, a_buf, act_gscale, self.num_sms, self.fmt
+        ).launch(grid=[self.aux_grid, 1, 1], block=[self.aux_threads, 1, 1], stream=stream, use_pdl=pdl)
+        self.fc1.launch(a_buf, self._packed_view(w13), h_buf, m_block_expert, meta, w13_gscale, act_gscale, stream, pdl)
+        self.fc2.launch(h_buf, self._packed_view(w2), a_buf, m_block_expert, meta, w2_gscale, act_gscale, stream, pdl)
+        aux_kernels.combine_kernel(a_buf, pair_row, topk_weights, out, topk_ids.shape[1], self.aux_vpt).launch(
+            grid=[self.aux_grid, 1, 1], block=[self.aux_threads, 1, 1], stream=stream, use_pdl=pdl
+        )

@@ -1,0 +1,245 @@
+"""Device helpers for the block-scaled formats on Hopper (no block-scaled MMA): dequantization to
+BF16 and the quantize-dequantize of activations, as inline PTX on 32-bit registers.
+
+Formats (bit conventions of ``flashinfer.moe_ep.core.quant``; the kernels follow them bit for bit):
+
+- MXFP8: E4M3 elements, one UE8M0 scale byte per 32 (``2 ** (byte - 127)``).
+- NVFP4: E2M1 elements packed two per byte (element 2i in the low nibble), one E4M3 scale per 16,
+  one fp32 global scale per tensor applied outside (to the fp32 accumulator).
+
+Why BF16: ``e4m3 * 2**X`` and ``e2m1 * e4m3`` have at most 4 and 6 significant bits, so they are exact
+in BF16 (8 bits) and BF16 WGMMA on the dequantized operands equals the reference's fp32 math on them up
+to accumulation order. Plain Python functions emitting code while a ``@cute.kernel`` is traced.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Uint32
+
+# E2M1 magnitude code (0..7) -> E4M3 byte, as two prmt lookup registers (bytes 0-3, bytes 4-7):
+# 0, .5, 1, 1.5 | 2, 3, 4, 6  ->  0x00 0x30 0x38 0x3C | 0x40 0x44 0x48 0x4C.
+_E2M1_TO_E4M3_LO = 0x3C383000
+_E2M1_TO_E4M3_HI = 0x4C484440
+
+
+def _sel(cond, a, b, ty):
+    """``a if cond else b`` for traced values (a plain helper is not rewritten by the DSL)."""
+    return ty(cutlass.select_(cond, ty(a), ty(b)))
+
+
+def smem_addr(ptr) -> Int32:
+    """The 32-bit shared-window address of a shared-memory pointer."""
+    return cute.arch.inline_ptx("mov.u32 {$w0}, {$r0};", write_only_types=[Int32], read_only_args=[ptr])
+
+
+def ld_shared_u8(addr: Int32) -> Uint32:
+    return cute.arch.inline_ptx(
+        "{ .reg .b16 t; ld.shared.u8 t, [{$r0}]; cvt.u32.u16 {$w0}, t; }",
+        write_only_types=[Uint32],
+        read_only_args=[addr],
+    )
+
+
+def ld_shared_b32(addr: Int32) -> Uint32:
+    return cute.arch.inline_ptx("ld.shared.b32 {$w0}, [{$r0}];", write_only_types=[Uint32], read_only_args=[addr])
+
+
+def ld_shared_v2(addr: Int32) -> tuple[Uint32, Uint32]:
+    return cute.arch.inline_ptx(
+        "ld.shared.v2.b32 {{$w0}, {$w1}}, [{$r0}];", write_only_types=[Uint32, Uint32], read_only_args=[addr]
+    )
+
+
+def st_shared_v4(addr: Int32, w0: Uint32, w1: Uint32, w2: Uint32, w3: Uint32) -> None:
+    cute.arch.inline_ptx(
+        "st.shared.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};", read_only_args=[addr, w0, w1, w2, w3]
+    )
+
+
+def f32_bits(x: Float32) -> Uint32:
+    return cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[Uint32], read_only_args=[x])
+
+
+def f32_from_bits(b: Uint32) -> Float32:
+    return cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[b])
+
+
+def ue8m0_to_f32(byte: Uint32) -> Float32:
+    """``2 ** (byte - 127)`` (byte 0 is the fp32 subnormal 2**-127)."""
+    bits = _sel(byte != Uint32(0), byte << 23, Uint32(0x00400000), Uint32)
+    return f32_from_bits(bits)
+
+
+def e4m3_to_f32(byte: Uint32) -> Float32:
+    """One E4M3 byte (in the low 8 bits) to fp32, exactly."""
+    return cute.arch.inline_ptx(
+        "{ .reg .b16 lo, hi; .reg .b32 h; .reg .f16 h0, h1;\n"
+        "mov.b32 {lo, hi}, {$r0};\n"
+        "cvt.rn.f16x2.e4m3x2 h, lo;\n"
+        "mov.b32 {h0, h1}, h;\n"
+        "cvt.f32.f16 {$w0}, h0; }",
+        write_only_types=[Float32],
+        read_only_args=[byte],
+    )
+
+
+def e4m3x4_to_bf16x4(word: Uint32, mult2: Uint32) -> tuple[Uint32, Uint32]:
+    """Four E4M3 bytes times a block multiplier -> four BF16 (two packed words, byte 0 in the low half
+    of the first), exactly. ``mult2``: the BF16 multiplier ``scale * 2**112`` in both halves.
+
+    One conversion instruction per pair (E4M3 -> F16, exact: every E4M3 value is a normal F16), then
+    F16 -> BF16 by moving bits (the 3 mantissa bits fit; the F16 exponent field read as a BF16 one
+    gives ``v * 2**-112``, still normal), then one BF16 FMA with the multiplier (exact: <= 8 bits).
+    """
+    return cute.arch.inline_ptx(
+        "{ .reg .b16 lo, hi; .reg .b32 h, t, z;\n"
+        "mov.b32 z, 0x80008000;\n"
+        "mov.b32 {lo, hi}, {$r0};\n"
+        "cvt.rn.f16x2.e4m3x2 h, lo;\n"
+        "and.b32 t, h, 0x7FF87FF8; shr.u32 t, t, 3; and.b32 h, h, 0x80008000; or.b32 h, h, t;\n"
+        "fma.rn.bf16x2 {$w0}, h, {$r1}, z;\n"
+        "cvt.rn.f16x2.e4m3x2 h, hi;\n"
+        "and.b32 t, h, 0x7FF87FF8; shr.u32 t, t, 3; and.b32 h, h, 0x80008000; or.b32 h, h, t;\n"
+        "fma.rn.bf16x2 {$w1}, h, {$r1}, z; }",
+        write_only_types=[Uint32, Uint32],
+        read_only_args=[word, mult2],
+    )
+
+
+def ld_shared_bf16_pair(addr: Int32) -> Uint32:
+    """One 16-bit value from shared memory, in both halves of a word."""
+    return cute.arch.inline_ptx(
+        "{ .reg .b16 t; ld.shared.b16 t, [{$r0}]; mov.b32 {$w0}, {t, t}; }",
+        write_only_types=[Uint32],
+        read_only_args=[addr],
+    )
+
+
+def e2m1x8_to_e4m3x8(word: Uint32) -> tuple[Uint32, Uint32]:
+    """Eight packed E2M1 nibbles (element i in nibble i) -> eight E4M3 bytes (two words): every E2M1
+    value is exact in E4M3. Magnitudes through a ``prmt`` byte lookup, signs moved from bit 3 of each
+    nibble to bit 7 of each byte."""
+    out = []
+    for half in range(2):
+        x = (word >> (16 * half)) & Uint32(0xFFFF)
+        mag = cute.arch.inline_ptx(
+            "prmt.b32 {$w0}, {$r0}, {$r1}, {$r2};",
+            write_only_types=[Uint32],
+            read_only_args=[Uint32(_E2M1_TO_E4M3_LO), Uint32(_E2M1_TO_E4M3_HI), x & Uint32(0x7777)],
+        )
+        # Spread nibble i to byte i, then take each nibble's bit 3 to its byte's bit 7.
+        y = ((x & Uint32(0xFF00)) << 8) | (x & Uint32(0x00FF))
+        y = ((y & Uint32(0x00F000F0)) << 4) | (y & Uint32(0x000F000F))
+        out.append(mag | ((y & Uint32(0x08080808)) << 4))
+    return out[0], out[1]
+
+
+# ------------------------------------------------------------------------------------------------
+# quantize-dequantize of fp32 values (activations), bit-exact with core.quant
+# ------------------------------------------------------------------------------------------------
+
+
+def _e4m3_roundtrip_pair(a: Float32, b: Float32, mul: Float32, scale: Float32) -> tuple[Float32, Float32]:
+    """``RNE_e4m3_saturating(v * mul) * scale`` for v in (a, b) (cvt.satfinite clamps to +-448)."""
+    return cute.arch.inline_ptx(
+        "{ .reg .f32 x0, x1; .reg .b16 q; .reg .b32 h; .reg .f16 h0, h1;\n"
+        "mul.rn.f32 x0, {$r0}, {$r2}; mul.rn.f32 x1, {$r1}, {$r2};\n"
+        "cvt.rn.satfinite.e4m3x2.f32 q, x1, x0;\n"
+        "cvt.rn.f16x2.e4m3x2 h, q;\n"
+        "mov.b32 {h0, h1}, h;\n"
+        "cvt.f32.f16 x0, h0; cvt.f32.f16 x1, h1;\n"
+        "mul.rn.f32 {$w0}, x0, {$r3}; mul.rn.f32 {$w1}, x1, {$r3}; }",
+        write_only_types=[Float32, Float32],
+        read_only_args=[a, b, mul, scale],
+    )
+
+
+def mxfp8_qdq(vals: list, amax: Float32) -> list:
+    """MXFP8 quantize-dequantize of one 32-element block (``amax`` = max |v| over it): the scale byte
+    is ``max(exponent(amax) - 8, 0)`` (``floor(log2 amax) - 8`` biased, clamped at 2**-127), elements
+    ``RNE_e4m3(v * 2**-X)`` saturating; returns ``q * 2**X`` (exact in BF16)."""
+    e = (f32_bits(amax) >> 23) & Uint32(0xFF)
+    sbyte = _sel(e > Uint32(8), e - Uint32(8), Uint32(0), Uint32)
+    inv = f32_from_bits((Uint32(254) - sbyte) << 23)  # 2**-X, a normal fp32 for every X
+    scale = ue8m0_to_f32(sbyte)
+    out = []
+    for i in range(0, len(vals), 2):
+        out.extend(_e4m3_roundtrip_pair(vals[i], vals[i + 1], inv, scale))
+    return out
+
+
+def div_rn(a: Float32, b: Float32) -> Float32:
+    """IEEE fp32 division (the reference's ``/``), independent of any fast-math setting."""
+    return cute.arch.inline_ptx("div.rn.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32], read_only_args=[a, b])
+
+
+def mul_rn(a: Float32, b: Float32) -> Float32:
+    return cute.arch.inline_ptx("mul.rn.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32], read_only_args=[a, b])
+
+
+def _round_e2m1_magnitude(a: Float32) -> Float32:
+    """RNE of ``a >= 0`` onto {0, .5, 1, 1.5, 2, 3, 4, 6}, saturating (ties to the even code)."""
+    zero, half = Float32(0.0), Float32(0.5)
+    v = zero
+    v += _sel(a > Float32(0.25), half, zero, Float32)
+    v += _sel(a >= Float32(0.75), half, zero, Float32)
+    v += _sel(a > Float32(1.25), half, zero, Float32)
+    v += _sel(a >= Float32(1.75), half, zero, Float32)
+    v += _sel(a > Float32(2.5), Float32(1.0), zero, Float32)
+    v += _sel(a >= Float32(3.5), Float32(1.0), zero, Float32)
+    v += _sel(a > Float32(5.0), Float32(2.0), zero, Float32)
+    return v
+
+
+def nvfp4_qdq(vals: list, amax: Float32, global_scale: Float32) -> list:
+    """NVFP4 quantize-dequantize of one 16-element block with a fixed ``global_scale``: ``bs =
+    RNE_e4m3(amax / (6 * gs))``, ``d = bs * gs``, elements ``RNE_e2m1(v / d)`` saturating; returns
+    ``e2m1 * bs`` (exact in BF16; the caller applies ``gs`` to the fp32 accumulator)."""
+    t = div_rn(amax, mul_rn(Float32(6.0), global_scale))
+    bs_byte = cute.arch.inline_ptx(
+        "{ .reg .b16 q; cvt.rn.satfinite.e4m3x2.f32 q, {$r1}, {$r0}; cvt.u32.u16 {$w0}, q; }",
+        write_only_types=[Uint32],
+        read_only_args=[t, Float32(0.0)],
+    )
+    bs = e4m3_to_f32(bs_byte & Uint32(0xFF))
+    d = mul_rn(bs, global_scale)
+    d_safe = _sel(d > Float32(0.0), d, Float32(1.0), Float32)
+    out = []
+    for v in vals:
+        r = div_rn(v, d_safe)
+        m = _round_e2m1_magnitude(cute.arch.fmax(r, -r)) * bs
+        out.append(_sel(r < Float32(0.0), -m, m, Float32))
+    return out
+
+
+def block_amax(vals: list) -> Float32:
+    m = Float32(0.0)
+    for v in vals:
+        m = cute.arch.fmax(m, cute.arch.fmax(v, -v))
+    return m
+
+
+def quad_amax(m: Float32) -> Float32:
+    """Max over the 4 lanes of a quad (the lanes sharing a row of a WGMMA accumulator fragment)."""
+    m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, 1))
+    return cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, 2))
+
+
+__all__ = [
+    "block_amax",
+    "e2m1x8_to_e4m3x8",
+    "e4m3_to_f32",
+    "e4m3x4_to_bf16x4",
+    "ld_shared_bf16_pair",
+    "ld_shared_b32",
+    "ld_shared_u8",
+    "ld_shared_v2",
+    "mxfp8_qdq",
+    "nvfp4_qdq",
+    "quad_amax",
+    "smem_addr",
+    "st_shared_v4",
+    "ue8m0_to_f32",
+]
