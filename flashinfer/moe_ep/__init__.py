@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from .backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl import Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig
 from .backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl.ep_backend import make_loopback_group
+from .backends.mega.kernel.sm90.mxfp8_mxfp8_bf16_cutedsl import Sm90_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig
+from .backends.mega.kernel.sm90.nvfp4_nvfp4_bf16_cutedsl import Sm90_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig
 from .backends.mega.reference import ReferenceMegaMoeConfig
 from .config import BootstrapConfig, FleetParams, MegaConfig, MegaKernelConfig, MoEEpTensors, MoEWeightPack
 from .core.contracts import CONTRACTS, ModelContract, get_contract
@@ -53,6 +55,8 @@ __all__ = [
     "MoEWeightPack",
     "ReferenceMegaMoeConfig",
     "Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig",
+    "Sm90_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig",
+    "Sm90_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig",
     "create_mega_kernel",
     "get_contract",
     "make_loopback_group",

@@ -13,10 +13,23 @@ from ..core.activations import ACTIVATIONS
 from ..core.contracts import CONTRACTS, get_contract
 from ..errors import MoEEpConfigError
 
+BF16 = "sm90_bf16_bf16_bf16_cutedsl"
+#: block-scaled backends: kernel name -> (config class path, drop frontend name)
+BLOCK_SCALED = {
+    "sm90_mxfp8_mxfp8_bf16_cutedsl": "Mxfp8Frontend",
+    "sm90_nvfp4_nvfp4_bf16_cutedsl": "Nvfp4Frontend",
+}
+
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("build", help="compile kernels into the kernel cache (CPU-only machines work)")
     p.add_argument("--arch", default="sm_90a", choices=["sm_90a"])
+    p.add_argument(
+        "--backend",
+        default=BF16,
+        choices=[BF16, *BLOCK_SCALED],
+        help="which kernel family (default: the BF16 one)",
+    )
     p.add_argument("--contract", nargs="+", default=None, help=f"contracts, or 'all' ({', '.join(CONTRACTS)})")
     p.add_argument("--hidden", type=int)
     p.add_argument("--intermediate", type=int)
@@ -62,10 +75,37 @@ def _configs(args: argparse.Namespace) -> list[tuple[str, Sm90_Bf16_Bf16_Bf16_Cu
     return out
 
 
+def _block_scaled_jobs(args: argparse.Namespace) -> list[tuple[str, object]]:
+    """Every token bucket's kernel of the MXFP8 / NVFP4 backend for the requested shapes (world size 1)."""
+    from ..backends.mega.catalog import catalog_entry
+    from ..backends.mega.kernel.sm90.block_scaled import bucket_frontends
+
+    if args.world_size != 1:
+        raise MoEEpConfigError(f"{args.backend} runs at world size 1 only")
+    cls = catalog_entry(args.backend).load_config_class()  # type: ignore[union-attr]
+    jobs = []
+    for name, bf16_cfg, e_local in _configs(args):
+        c = bf16_cfg
+        cfg = cls(c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit, c.knobs)
+        frontends = bucket_frontends(cfg, e_local, BLOCK_SCALED[args.backend])
+        for fe in dict.fromkeys(frontends.values()):
+            buckets = [b for b, f in frontends.items() if f is fe]
+            jobs.append((f"{name} {cfg.weight_format} [{'/'.join(buckets)}]", fe))
+    return jobs
+
+
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     root = Path(args.cache).expanduser() if args.cache else None
+    if args.backend in BLOCK_SCALED:
+        qjobs = _block_scaled_jobs(args)
+        print(f"build: {len(qjobs)} kernel(s) for {args.arch} ({args.backend})")
+        for i, (label, fe) in enumerate(qjobs, 1):
+            t0 = time.perf_counter()
+            lib = fe.build(root, force=args.force)  # type: ignore[attr-defined]
+            print(f"[{i}/{len(qjobs)}] {label}: {lib} ({time.perf_counter() - t0:.1f} s)", flush=True)
+        return 0
     context = tuning.tune_context_named(args.device_name, args.world_size)
     jobs = []
     for name, cfg, e_local in _configs(args):

@@ -182,8 +182,16 @@ def quantize_expert_weights(w13: torch.Tensor, w2: torch.Tensor, fmt: str) -> Qu
             f"quantize_expert_weights: w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} disagree on E or H"
         )
     if fmt == "mxfp8":
-        q13, s13 = quantize_mxfp8(w13)
-        q2, s2 = quantize_mxfp8(w2)
+        # Expert by expert: the fp32 temporaries of one expert, not of the whole layer (deepseek-v3: 45 GB).
+        def per_expert(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+            sc = torch.empty(*w.shape[:-1], w.shape[-1] // MXFP8_BLOCK, dtype=torch.uint8, device=w.device)
+            for e in range(w.shape[0]):
+                q[e], sc[e] = quantize_mxfp8(w[e])
+            return q, sc
+
+        q13, s13 = per_expert(w13)
+        q2, s2 = per_expert(w2)
         return QuantizedExpertWeights(fmt, q13, s13, q2, s2)
     per13 = [quantize_nvfp4(w13[e]) for e in range(w13.shape[0])]
     per2 = [quantize_nvfp4(w2[e]) for e in range(w2.shape[0])]
@@ -216,6 +224,28 @@ def nvfp4_global_scale_of_amax(amax: torch.Tensor | float) -> torch.Tensor:
     a = torch.as_tensor(amax, dtype=torch.float32).reshape(1)
     block = torch.cat([a.abs(), a.new_zeros(NVFP4_BLOCK - 1)])
     return quantize_nvfp4(block)[2]
+
+
+def nvfp4_static_scales(
+    calibration: torch.Tensor,
+    weights: QuantizedExpertWeights,
+    activation: ActivationSpec | str,
+    activation_limit: float | None = None,
+) -> tuple[float, float]:
+    """Static NVFP4 activation global scales from a calibration batch ``calibration`` [n, H], as a
+    checkpoint ships them: the dynamic scale of the batch, and that of the FC1 output (after the
+    activation) of every expert on it. Values beyond them saturate later (the same in kernel and
+    reference)."""
+    spec = activation if isinstance(activation, ActivationSpec) else ActivationSpec(activation, activation_limit)
+    gs1 = nvfp4_global_scale_of_amax(calibration.float().abs().amax())
+    xq, _ = fake_quantize_activation(calibration.float(), "nvfp4", gs1)
+    amax = torch.zeros((), device=calibration.device)
+    for e in range(weights.num_experts):
+        w13 = dequantize_nvfp4(weights.w13[e], weights.w13_scale[e], weights.w13_global_scale[e])  # type: ignore[index]
+        with exact_fp32_matmul():
+            a = apply_activation(xq @ w13.T, spec.name, spec.limit)
+        amax = torch.maximum(amax, a.abs().amax())
+    return float(gs1), float(nvfp4_global_scale_of_amax(amax))
 
 
 def fake_quantize_activation(
@@ -371,6 +401,7 @@ __all__ = [
     "fake_quantize_activation",
     "moe_reference_quantized",
     "nvfp4_global_scale_of_amax",
+    "nvfp4_static_scales",
     "quantize_expert_weights",
     "quantized_fc1",
     "quantized_fc2",

@@ -42,6 +42,20 @@ CATALOG: tuple[BackendEntry, ...] = (
         "Hopper BF16 MegaMoE kernels in CuTe DSL (routing, gather, FC1+act, FC2, combine), world size 1",
     ),
     BackendEntry(
+        "sm90_mxfp8_mxfp8_bf16_cutedsl",
+        f"{_PKG}.kernel.sm90.mxfp8_mxfp8_bf16_cutedsl.config:Sm90_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig",
+        f"{_PKG}.kernel.sm90.mxfp8_mxfp8_bf16_cutedsl.backend:Sm90Mxfp8CutedslBackend",
+        "mxfp8",
+        "Hopper MXFP8 MegaMoE kernels in CuTe DSL (weights dequantized to BF16 in smem), world size 1",
+    ),
+    BackendEntry(
+        "sm90_nvfp4_nvfp4_bf16_cutedsl",
+        f"{_PKG}.kernel.sm90.nvfp4_nvfp4_bf16_cutedsl.config:Sm90_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig",
+        f"{_PKG}.kernel.sm90.nvfp4_nvfp4_bf16_cutedsl.backend:Sm90Nvfp4CutedslBackend",
+        "nvfp4",
+        "Hopper NVFP4 MegaMoE kernels in CuTe DSL (weights dequantized to BF16 in smem), world size 1",
+    ),
+    BackendEntry(
         "reference",
         f"{_PKG}.reference.config:ReferenceMegaMoeConfig",
         f"{_PKG}.reference.backend:ReferenceMegaMoeBackend",

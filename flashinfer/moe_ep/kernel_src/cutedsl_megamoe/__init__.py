@@ -21,6 +21,9 @@ from .shim.frontend import (
     prepare_compile_env,
     tvm_ffi_available,
 )
+from .shim.mxfp8 import Mxfp8Frontend
+from .shim.nvfp4 import Nvfp4Frontend
+from .shim.quant import PackedQuantWeights, QuantFrontend, QuantKnobs, default_quant_knobs
 from .shim.vendor import check_manifest, read_vendor
 
 __all__ = [
@@ -30,7 +33,12 @@ __all__ = [
     "Bf16Frontend",
     "Bf16Knobs",
     "Geometry",
+    "Mxfp8Frontend",
     "NEXT_STEPS",
+    "Nvfp4Frontend",
+    "PackedQuantWeights",
+    "QuantFrontend",
+    "QuantKnobs",
     "SRC_DIR",
     "allocate_shared_workspace",
     "audit_src",
@@ -41,6 +49,7 @@ __all__ = [
     "EpRankState",
     "default_bf16_ep_knobs",
     "default_bf16_knobs",
+    "default_quant_knobs",
     "dsl_available",
     "frontend",
     "kernel_cache",

@@ -129,10 +129,14 @@ class KernelFrontend(abc.ABC):
         self._fn = kernel_cache.load_function(lib, key.function_name)
         return self._fn
 
+    #: the ``build --backend`` value of this frontend's kernels (None: the default, BF16)
+    build_backend: ClassVar[str | None] = None
+
     def build_command(self) -> str:
         g = self.geometry
+        backend = f"--backend {self.build_backend} " if self.build_backend else ""
         cmd = (
-            f"CUTE_DSL_ARCH={self.arch} python -m flashinfer.moe_ep build --arch {self.arch} "
+            f"CUTE_DSL_ARCH={self.arch} python -m flashinfer.moe_ep build --arch {self.arch} {backend}"
             f"--hidden {g.hidden} --intermediate {g.intermediate} --experts {g.num_experts} --top-k {g.top_k} "
             f"--activation {g.activation}"
         )
@@ -142,7 +146,6 @@ class KernelFrontend(abc.ABC):
 
     def allocate_workspace(self, max_tokens: int, device: torch.device) -> dict[str, torch.Tensor]:
         return allocate_shared_workspace([self], max_tokens, device)[0]
-
 
 
 def allocate_shared_workspace(

@@ -1,0 +1,254 @@
+"""What the SM90 MXFP8 and NVFP4 backends share: config fields, weight checks and packing, launch.
+
+The per-format packages (``mxfp8_mxfp8_bf16_cutedsl``, ``nvfp4_nvfp4_bf16_cutedsl``) only name their
+format and the drop frontend. Semantics: ``flashinfer.moe_ep.core.reference_quant`` (activations
+quantized along H by the kernel, FC1 on the dequantized operands, the activation requantized to the
+FC2 input format, bf16 y, ordered combine); NVFP4 activation global scales are static config fields.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from .....config import MegaKernelConfig, MoEEpTensors, MoEWeightPack
+from .....core.reference_quant import QuantizedExpertWeights
+from .....errors import MoEEpBackendUnavailableError, MoEEpConfigError, MoEEpInputError
+from ...base import MegaKernelBackend
+from .runtime import sm90_requirements
+
+_KNOB_FIELDS = ("tile_m", "fc1_tile_n", "fc2_tile_n", "fc1_stages", "fc2_stages", "num_sms")
+
+
+@dataclass(frozen=True)
+class Sm90BlockScaledConfig(MegaKernelConfig):
+    """Base of the SM90 block-scaled configs.
+
+    ``knobs``: ``None`` (defaults: the widest N tiles; per token bucket, 64-row M tiles for decode
+    (T <= 128) and 128-row ones above, measured on the H200, TUNING.md) or a mapping of compile-time
+    knobs for every T (``tile_m`` 64/128, ``fc1_tile_n``, ``fc2_tile_n``, ``fc1_stages``,
+    ``fc2_stages``, ``num_sms``). Hidden and intermediate sizes must be multiples of 64. World size 1.
+    """
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.knobs is not None:
+            if not isinstance(self.knobs, dict):
+                raise MoEEpConfigError(f"{type(self).__name__}.knobs must be None or a dict of knobs")
+            unknown = sorted(set(self.knobs) - set(_KNOB_FIELDS))
+            if unknown:
+                raise MoEEpConfigError(
+                    f"{type(self).__name__}.knobs: unknown {', '.join(unknown)}; known: {', '.join(_KNOB_FIELDS)}"
+                )
+
+
+def _positive_scale(owner: str, name: str, value: object) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    if not ok:
+        raise MoEEpConfigError(f"{owner}.{name} must be a finite float > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Sm90Nvfp4ConfigFields(Sm90BlockScaledConfig):
+    """NVFP4 adds the static activation global scales (what ModelOpt checkpoints ship as
+    ``input_scale``): the dequantization multipliers of the FC1 and FC2 inputs. The kernel has no
+    dynamic (whole-tensor amax) mode: that would need a device-wide reduction between FC1 and FC2."""
+
+    input_global_scale: float = field(default=1.0, kw_only=True)
+    fc2_input_global_scale: float = field(default=1.0, kw_only=True)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("input_global_scale", "fc2_input_global_scale"):
+            _positive_scale(type(self).__name__, name, getattr(self, name))
+
+
+class Sm90BlockScaledBackend(MegaKernelBackend):
+    """World size 1. Weights: ``MoEWeightPack`` in the layout of ``core.reference_quant``."""
+
+    frontend_name: ClassVar[str]  # the drop frontend class, e.g. "Mxfp8Frontend"
+    hidden_alignment: ClassVar[int] = 64
+    intermediate_alignment: ClassVar[int] = 64
+
+    @classmethod
+    def runtime_requirements(cls, device: torch.device) -> list[str]:
+        return sm90_requirements(device)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.world_size != 1:
+            raise MoEEpConfigError(
+                f"{self.config.kernel_name} runs at world_size 1 only for now (the expert-parallel protocol "
+                "exists for BF16); use the reference backend for quantized EP"
+            )
+        # One frontend per token bucket (same weight layout: only tile_m differs), chosen per forward
+        # from the host-side T; one workspace serves both.
+        self.frontends = bucket_frontends(self.config, self.num_local_experts, self.frontend_name)
+        self.frontend = self.frontends[PREFILL]  # the weight layout
+        self.weights: Any = None
+        self.workspace: dict[str, torch.Tensor] = {}
+        self.act_gscale: torch.Tensor | None = None
+
+    @property
+    def fmt(self) -> str:
+        return self.config.weight_format
+
+    def preprocess_weights(self, weights: MoEWeightPack) -> None:
+        c = self.config
+        missing = [n for n in ("w13_scale", "w2_scale") if getattr(weights, n) is None]
+        if self.fmt == "nvfp4":
+            missing += [n for n in ("w13_global_scale", "w2_global_scale") if getattr(weights, n) is None]
+        if missing:
+            raise MoEEpInputError(
+                f"{c.kernel_name} needs {self.fmt} weights with their scales; missing: "
+                f"{', '.join('weights.' + n for n in missing)} "
+                "(quantize BF16 weights with flashinfer.moe_ep.core.reference_quant.quantize_expert_weights)"
+            )
+        q = QuantizedExpertWeights(
+            self.fmt,
+            weights.w13,
+            weights.w13_scale,  # type: ignore[arg-type]
+            weights.w2,
+            weights.w2_scale,  # type: ignore[arg-type]
+            weights.w13_global_scale,
+            weights.w2_global_scale,
+        )
+        q.check(
+            num_local_experts=self.num_local_experts,
+            fc1_rows=c.fc1_rows,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            device=self.device,
+        )
+        _reject_nan_codes(q)
+        self.weights = self.frontend.prepare_weights(
+            q.w13, q.w13_scale, q.w2, q.w2_scale, q.w13_global_scale, q.w2_global_scale
+        )
+        scales = [c.input_global_scale, c.fc2_input_global_scale] if self.fmt == "nvfp4" else [1.0, 1.0]
+        self.act_gscale = torch.tensor(scales, dtype=torch.float32, device=self.device)
+
+    def allocate_workspace(self) -> None:
+        from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import allocate_shared_workspace
+
+        frontends = list(dict.fromkeys(self.frontends.values()))
+        with torch.cuda.device(self.device):
+            views = allocate_shared_workspace(frontends, self.fleet.max_tokens_per_rank, self.device)
+        by_frontend = {id(fe): ws for fe, ws in zip(frontends, views, strict=True)}
+        self.workspace = {name: by_frontend[id(fe)] for name, fe in self.frontends.items()}
+
+    def _load(self, frontend: Any) -> None:
+        from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import KernelUnavailableError
+
+        try:
+            frontend.load()
+        except KernelUnavailableError as exc:
+            raise MoEEpBackendUnavailableError(str(exc)) from None
+
+    def warmup(self) -> None:
+        for fe in self.frontends.values():
+            self._load(fe)
+        c = self.config
+        t = min(8, self.fleet.max_tokens_per_rank)
+        x = torch.randn(t, c.hidden_size, device=self.device).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(c.num_experts, device=self.device)[: c.top_k] for _ in range(t)]).int()
+        w = torch.rand(t, c.top_k, device=self.device)
+        out = torch.empty(t, c.hidden_size, dtype=torch.bfloat16, device=self.device)
+        self.compute(MoEEpTensors(x, ids, w), out)
+        torch.cuda.synchronize(self.device)
+
+    def compute(self, staged: MoEEpTensors, output: torch.Tensor) -> torch.Tensor:
+        if staged.scales is not None:
+            raise MoEEpInputError(
+                f"{self.config.kernel_name} takes bf16 hidden_states and quantizes them in the kernel; "
+                "pre-quantized activations (MoEEpTensors.scales) are not accepted yet"
+            )
+        t = staged.hidden_states.shape[0]
+        if t == 0:
+            return output
+        bucket = DECODE if t <= DECODE_MAX_TOKENS else PREFILL  # a host-side shape: no device sync
+        frontend = self.frontends[bucket]
+        self._load(frontend)
+        assert self.act_gscale is not None
+        return frontend.launch(
+            staged.hidden_states,
+            staged.topk_ids,
+            staged.topk_weights,
+            self.weights,
+            self.act_gscale,
+            output,
+            self.workspace[bucket],
+        )
+
+    def destroy(self) -> None:
+        self.weights = None
+        self.workspace = {}
+
+
+def _reject_nan_codes(q: QuantizedExpertWeights) -> None:
+    """The kernel would turn NaN codes into numbers: reject them as the reference's dequantize does."""
+    if q.fmt == "mxfp8":
+        for name in ("w13_scale", "w2_scale"):
+            if bool((getattr(q, name) == 255).any()):
+                raise MoEEpInputError(f"weights.{name} contains 255 (the UE8M0 NaN encoding)")
+        for name in ("w13", "w2"):
+            if bool(((getattr(q, name).view(torch.uint8) & 0x7F) == 0x7F).any()):
+                raise MoEEpInputError(f"weights.{name} contains an E4M3 NaN code (0x7F / 0xFF)")
+    else:
+        for name in ("w13_scale", "w2_scale"):
+            if bool(((getattr(q, name).view(torch.uint8) & 0x7F) == 0x7F).any()):
+                raise MoEEpInputError(f"weights.{name} contains an E4M3 NaN code (0x7F / 0xFF)")
+
+
+DECODE, PREFILL = "decode", "prefill"
+DECODE_MAX_TOKENS = 128
+#: knobs of the decode bucket over the defaults: 64 MMA rows (half the activation bytes per K tile;
+#: the second consumer warpgroup still converts). Measured: deepseek-v3 T=128 MXFP8 5.54 vs 5.94 ms.
+DECODE_OVERRIDES = {"tile_m": 64}
+
+
+def bucket_frontends(config: Sm90BlockScaledConfig, num_local_experts: int, frontend_name: str) -> dict[str, Any]:
+    """``{"decode": ..., "prefill": ...}``: explicit knobs serve every T with one frontend."""
+    prefill = make_frontend(config, num_local_experts, frontend_name)
+    if config.knobs:
+        return {DECODE: prefill, PREFILL: prefill}
+    decode = make_frontend(config, num_local_experts, frontend_name, DECODE_OVERRIDES)
+    return {DECODE: decode, PREFILL: prefill}
+
+
+def make_frontend(
+    config: Sm90BlockScaledConfig, num_local_experts: int, frontend_name: str, overrides: dict | None = None
+) -> Any:
+    """The drop frontend of ``config`` (explicit knobs, or the defaults with ``overrides``)."""
+    from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
+
+    geometry = drop.Geometry(
+        hidden=config.hidden_size,
+        intermediate=config.intermediate_size,
+        num_experts=num_local_experts,
+        top_k=config.top_k,
+        activation=config.activation,
+        activation_limit=config.activation_spec.effective_limit,
+    )
+    knobs = None
+    if config.knobs or overrides:
+        base = drop.default_quant_knobs(geometry)
+        knobs = drop.QuantKnobs(**{**base.__dict__, **(config.knobs or overrides)})
+    frontend = getattr(drop, frontend_name)(geometry, knobs)
+    try:
+        frontend.check()
+    except ValueError as exc:
+        raise MoEEpConfigError(f"{config.kernel_name}: {exc}") from None
+    return frontend
+
+
+__all__ = [
+    "DECODE_MAX_TOKENS",
+    "Sm90BlockScaledBackend",
+    "Sm90BlockScaledConfig",
+    "Sm90Nvfp4ConfigFields",
+    "bucket_frontends",
+    "make_frontend",
+]

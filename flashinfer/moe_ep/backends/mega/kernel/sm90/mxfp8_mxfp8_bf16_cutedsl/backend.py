@@ -1,0 +1,14 @@
+"""The SM90 mxfp8 backend: the shared block-scaled backend with its drop frontend."""
+
+from __future__ import annotations
+
+from ..block_scaled import Sm90BlockScaledBackend
+from .config import Sm90_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig
+
+
+class Sm90Mxfp8CutedslBackend(Sm90BlockScaledBackend):
+    config_cls = Sm90_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig
+    frontend_name = "Mxfp8Frontend"
+
+
+__all__ = ["Sm90Mxfp8CutedslBackend"]

@@ -1,0 +1,154 @@
+"""The block-scaled frontend core (MXFP8 and NVFP4 share it): ``Sm90MegaMoEQuantKernel`` through the
+shared frontend core. ``mxfp8.py`` and ``nvfp4.py`` only name their format.
+
+Weights arrive in the layout of ``flashinfer.moe_ep.core.reference_quant.QuantizedExpertWeights``
+(data [E, rows, K] or packed [E, rows, K/2], block scales [E, rows, K/block], NVFP4 global scales [E])
+and are packed once by :meth:`QuantFrontend.prepare_weights` (gate/up interleave + one TMA-friendly
+row per K tile, see the drop's ``moe_quant_glu.weights``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from . import kernel_helpers as kh
+from .bf16 import widest_tile
+from .frontend import Geometry, KernelFrontend
+
+
+@dataclass(frozen=True)
+class QuantKnobs:
+    """Compile-time knobs of the quantized kernel (all output-neutral)."""
+
+    tile_m: int = 128
+    fc1_tile_n: int = 256
+    fc2_tile_n: int = 256
+    fc1_stages: int | None = None
+    fc2_stages: int | None = None
+    num_sms: int = 132
+
+
+def default_quant_knobs(geometry: Geometry) -> QuantKnobs:
+    gated = geometry.activation in kh.constants.GATED_ACTIVATIONS
+    fc1_n = 2 * geometry.intermediate if gated else geometry.intermediate
+    return QuantKnobs(fc1_tile_n=widest_tile(fc1_n), fc2_tile_n=widest_tile(geometry.hidden))
+
+
+@dataclass
+class PackedQuantWeights:
+    """The kernel's weight operands: packed matrices and fp32 global scales (ones for MXFP8)."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_gscale: torch.Tensor
+    w2_gscale: torch.Tensor
+
+
+class QuantFrontend(KernelFrontend):
+    fmt: ClassVar[str]
+
+    def __init__(self, geometry: Geometry, knobs: QuantKnobs | None = None, **kw: Any) -> None:
+        super().__init__(geometry, knobs or default_quant_knobs(geometry), **kw)
+
+    @property
+    def gated(self) -> bool:
+        return self.geometry.activation in kh.constants.GATED_ACTIVATIONS
+
+    def check(self) -> None:
+        g, k, c = self.geometry, self.knobs, kh.constants
+        if g.activation not in c.ACTIVATIONS:
+            raise ValueError(f"activation {g.activation!r} is not served by the {self.fmt} kernel")
+        if g.num_experts > c.MAX_EXPERTS:
+            raise ValueError(f"the {self.fmt} kernel serves at most {c.MAX_EXPERTS} experts, got {g.num_experts}")
+        if g.hidden % c.TILE_K or g.intermediate % c.TILE_K:
+            raise ValueError(
+                f"the {self.fmt} kernel needs hidden and intermediate sizes that are multiples of {c.TILE_K}"
+            )
+        fc1_n = 2 * g.intermediate if self.gated else g.intermediate
+        if fc1_n % k.fc1_tile_n or g.hidden % k.fc2_tile_n:
+            raise ValueError(
+                f"FC1 N={fc1_n} must be a multiple of fc1_tile_n={k.fc1_tile_n} and "
+                f"hidden={g.hidden} of fc2_tile_n={k.fc2_tile_n}"
+            )
+        if k.tile_m not in (64, 128):
+            raise ValueError(f"tile_m must be 64 or 128 for the {self.fmt} kernel, got {k.tile_m}")
+        for n in (k.fc1_tile_n, k.fc2_tile_n):
+            if n not in (64, 128, 256):
+                raise ValueError(f"N tiles must be 64, 128 or 256, got {n}")
+            if n * 8 % (128 * (1 if k.tile_m == 64 else 2)):
+                raise ValueError(f"tile_m={k.tile_m} needs N tiles of at least {16 * (1 if k.tile_m == 64 else 2)}")
+
+    def _export(self, out_dir: Path, function_name: str) -> Path:
+        g, k = self.geometry, self.knobs
+        kernel = kh.Sm90MegaMoEQuantKernel(
+            fmt=self.fmt,
+            activation=g.activation,
+            limit=g.activation_limit,
+            tile_m=k.tile_m,
+            fc1_tile_n=k.fc1_tile_n,
+            fc2_tile_n=k.fc2_tile_n,
+            num_sms=k.num_sms,
+            fc1_stages=k.fc1_stages,
+            fc2_stages=k.fc2_stages,
+        )
+        return kh.export_moe_quant(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)
+
+    def workspace_spec(self, max_tokens: int) -> list[Any]:
+        g, k = self.geometry, self.knobs
+        return kh.moe_bf16_workspace_spec(
+            max_tokens, g.hidden, g.intermediate, g.num_experts, g.top_k, k.tile_m, k.num_sms, 1
+        )
+
+    def prepare_weights(
+        self,
+        w13: torch.Tensor,
+        w13_scale: torch.Tensor,
+        w2: torch.Tensor,
+        w2_scale: torch.Tensor,
+        w13_global_scale: torch.Tensor | None = None,
+        w2_global_scale: torch.Tensor | None = None,
+    ) -> PackedQuantWeights:
+        """Checkpoint layouts (gate rows then up rows) -> the kernel's packed operands."""
+        p13, p2 = kh.pack_quantized_weights(w13, w13_scale, w2, w2_scale, self.fmt, self.knobs.fc1_tile_n, self.gated)
+        e = w13.shape[0]
+
+        def gscale(g: torch.Tensor | None) -> torch.Tensor:
+            if g is None:
+                return torch.ones(e, dtype=torch.float32, device=w13.device)
+            return g.to(torch.float32).contiguous()
+
+        return PackedQuantWeights(p13, p2, gscale(w13_global_scale), gscale(w2_global_scale))
+
+    def launch(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        weights: PackedQuantWeights,
+        act_gscale: torch.Tensor,
+        out: torch.Tensor,
+        workspace: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """Enqueue the whole layer on the current torch stream (no host sync). ``act_gscale``: fp32 [2],
+        the NVFP4 global scales of the FC1 and FC2 inputs (ignored by MXFP8)."""
+        fn = self.load()
+        fn(
+            x,
+            topk_ids,
+            topk_weights,
+            weights.w13,
+            weights.w2,
+            weights.w13_gscale,
+            weights.w2_gscale,
+            act_gscale,
+            out,
+            *workspace.values(),
+        )
+        return out
+
+
+__all__ = ["PackedQuantWeights", "QuantFrontend", "QuantKnobs", "default_quant_knobs"]
