@@ -25,8 +25,34 @@ TUNE_TOKENS = [64, 512, 4096]  # one T per token bucket for `tune --max-tokens`
 os.environ.setdefault("FLASHINFER_MOE_EP_KNOB_CACHE", "off")  # defaults only, the same here and there
 
 
-def build(cache: Path, tune_contracts: bool = False) -> int:
+def build_quant(cache: Path) -> None:
+    """The MXFP8 / NVFP4 kernels of their GPU test and of the benchmark contracts."""
+    import flashinfer.moe_ep as moe
+    from flashinfer.moe_ep.backends.mega.kernel.sm90.block_scaled import bucket_frontends
+    from flashinfer.moe_ep.core.contracts import get_contract
+    from tests.backends.mega.kernel.sm90.test_quant_gpu import CONFIG_CLS, GPU_VARIANTS
+
+    variants = [(name, CONFIG_CLS[fmt](**geometry)) for name, fmt, geometry in GPU_VARIANTS]
+    for fmt, cls in CONFIG_CLS.items():
+        for name in BENCH_CONTRACTS:
+            c = get_contract(name)
+            variants.append((f"{fmt}-{name}", cls(c.hidden_size, c.intermediate_size, c.num_experts, c.top_k,
+                                                  c.activation, c.activation_limit)))  # fmt: skip
+    names = {"mxfp8": "Mxfp8Frontend", "nvfp4": "Nvfp4Frontend"}
+    for i, (name, cfg) in enumerate(variants, 1):
+        t0 = time.perf_counter()
+        for fe in dict.fromkeys(bucket_frontends(cfg, cfg.num_experts, names[cfg.weight_format]).values()):
+            lib = fe.build(cache)
+            print(f"[{i}/{len(variants)}] {name} tile_m={fe.knobs.tile_m}: {lib.name} "
+                  f"({time.perf_counter() - t0:.1f} s)", flush=True)  # fmt: skip
+    del moe
+
+
+def build(cache: Path, tune_contracts: bool = False, only: str | None = None) -> int:
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    build_quant(cache)
+    if only == "quant":
+        return 0
     import flashinfer.moe_ep as moe
     from flashinfer.moe_ep.backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl import tuning
     from flashinfer.moe_ep.core.contracts import get_contract
@@ -80,16 +106,26 @@ def build(cache: Path, tune_contracts: bool = False) -> int:
     return 0
 
 
+#: GPU test files that must run in their own pytest process (they set CUDA environment before CUDA starts)
+OWN_PROCESS = (
+    "tests/backends/mega/kernel/sm90/test_bf16_ep_loopback_gpu.py",
+    "tests/backends/mega/kernel/sm90/test_bf16_ep_layer_gpu.py",
+)
+BENCH_BACKENDS = ["sm90_bf16_bf16_bf16_cutedsl", "sm90_mxfp8_mxfp8_bf16_cutedsl", "sm90_nvfp4_nvfp4_bf16_cutedsl"]
+
+
 def run(cache: Path, bench_tokens: list[str], out: Path, skip_tests: bool) -> int:
     env = {**os.environ, "FLASHINFER_MOE_EP_KERNEL_CACHE": str(cache)}
     status = 0
     if not skip_tests:
-        t0 = time.perf_counter()
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-x", "tests"], env=env, cwd=ROOT)
-        print(f"gpu tests: exit {r.returncode} ({time.perf_counter() - t0:.0f} s)", flush=True)
-        status = r.returncode
+        ignore = [f"--ignore={p}" for p in OWN_PROCESS]
+        for args in (["tests", *ignore], *([p] for p in OWN_PROCESS)):
+            t0 = time.perf_counter()
+            r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", *args], env=env, cwd=ROOT)
+            print(f"gpu tests {' '.join(args[:1])}: exit {r.returncode} ({time.perf_counter() - t0:.0f} s)", flush=True)
+            status = status or r.returncode
     cmd = [sys.executable, "-m", "flashinfer.moe_ep", "bench", "--contract", *BENCH_CONTRACTS,
-           "--tokens", *bench_tokens, "--out", str(out)]  # fmt: skip
+           "--tokens", *bench_tokens, "--backend", *BENCH_BACKENDS, "--out", str(out)]  # fmt: skip
     r = subprocess.run(cmd, env=env, cwd=ROOT)
     return status or r.returncode
 
@@ -98,14 +134,17 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=["build", "run"])
     p.add_argument("--cache", type=Path, default=ROOT / ".kcache")
-    p.add_argument("--bench-tokens", nargs="+", default=["1", "16", "128", "1024", "4096", "16384"])
+    p.add_argument("--bench-tokens", nargs="+", default=["1", "128", "4096", "16384"])
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "bench-out")))
     p.add_argument("--skip-tests", action="store_true")
     p.add_argument(
         "--tune-contracts", action="store_true", help="build: also every autotune candidate of the bench contracts"
     )
+    p.add_argument("--only", choices=["quant"], help="build: only the MXFP8 / NVFP4 kernels")
     a = p.parse_args()
-    return build(a.cache, a.tune_contracts) if a.what == "build" else run(a.cache, a.bench_tokens, a.out, a.skip_tests)
+    if a.what == "build":
+        return build(a.cache, a.tune_contracts, a.only)
+    return run(a.cache, a.bench_tokens, a.out, a.skip_tests)
 
 
 if __name__ == "__main__":

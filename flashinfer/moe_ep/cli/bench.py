@@ -22,19 +22,27 @@ from ..core.baselines import grouped_mm_moe
 from ..core.contracts import get_contract
 from ..core.inputs import make_expert_weights, make_hidden_states, make_topk, relative_errors, rounding_ulps
 from ..core.reference import moe_reference
+from ..core.reference_quant import moe_reference_quantized, nvfp4_static_scales, quantize_expert_weights
 from ..errors import MoEEpConfigError
 from ..layer import MoEEpLayer
 from .backends import choose_backend
 
 DEFAULT_TOKENS = (1, 16, 128, 1024, 4096, 16384)
 DEFAULT_CONTRACTS = ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3")
+#: bytes per weight element as stored (NVFP4: 4 bits + an E4M3 scale per 16).
+BYTES_PER_WEIGHT = {"bf16": 2.0, "mxfp8": 1.0 + 1 / 32, "nvfp4": 0.5 + 1 / 16}
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="benchmark the mega layer against torch._grouped_mm (GPU)")
     p.add_argument("--contract", nargs="+", default=list(DEFAULT_CONTRACTS))
     p.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS))
-    p.add_argument("--backend", default="auto")
+    p.add_argument(
+        "--backend",
+        nargs="+",
+        default=["auto"],
+        help="one or more backends, timed on the same inputs (ratios to the first)",
+    )
     p.add_argument("--knobs", default=None, help="JSON knobs for the backend")
     p.add_argument("--sets", type=int, default=4, help="rotating input sets")
     p.add_argument("--iters", type=int, default=20, help="timed launches per size")
@@ -71,9 +79,29 @@ def measure_ceilings() -> dict[str, float]:
     return {"matmul_tflops": 2 * n**3 / ms / 1e9, "copy_tbs": 2 * src.numel() * 2 / copy_ms / 1e9}
 
 
+def _quantized_pack(w13: torch.Tensor, w2: torch.Tensor, fmt: str) -> tuple[Any, MoEWeightPack]:
+    q = quantize_expert_weights(w13, w2, fmt)
+    return q, MoEWeightPack(q.w13, q.w2, q.w13_scale, q.w2_scale, q.w13_global_scale, q.w2_global_scale)
+
+
+def _check_fits(c: Any, fmt: str) -> bool:
+    """The quantized reference dequantizes every weight to fp32: skip it when that exceeds 16 GB."""
+    return fmt == "bf16" or c.num_experts * c.weight_bytes_per_expert() * 2 <= 16e9
+
+
 def bench_contract(
-    name: str, tokens: list[int], entry: Any, knobs: Any, sets: int, iters: int, check: bool, ceilings: dict[str, float]
+    name: str,
+    tokens: list[int],
+    entries: list[Any],
+    knobs: Any,
+    sets: int,
+    iters: int,
+    check: bool,
+    ceilings: dict[str, float],
 ) -> list[dict[str, Any]]:
+    """Every backend of ``entries`` on the same inputs, one after the other (one layer alive at a time);
+    the ``torch._grouped_mm`` baseline once per T. Quantized backends get the BF16 weights quantized
+    (NVFP4 with static activation scales calibrated on a batch of the same distribution)."""
     c = get_contract(name)
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(1234)
@@ -81,80 +109,110 @@ def bench_contract(
     w13, w2 = make_expert_weights(
         c.num_experts, c.hidden_size, c.intermediate_size, c.activation, generator=wgen, device=dev
     )
-    config = entry.load_config_class()(
-        c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit, knobs
-    )
-    layer = MoEEpLayer(
-        BootstrapConfig(device=dev),
-        FleetParams(c.num_experts, max(tokens), c.hidden_size),
-        MoEWeightPack(w13, w2),
-        backend=MegaConfig(config),
-        check_values=False,
-    )
-    layer.warmup()
-    w13_t, w2_t = w13.transpose(1, 2), w2.transpose(1, 2)
-    rows = []
+    inputs_of: dict[int, list[MoEEpTensors]] = {}
     for t in tokens:
-        inputs = []
+        inputs_of[t] = []
         for _ in range(sets):
             x = make_hidden_states(t, c.hidden_size, generator=gen).to(dev)
             ids, w = make_topk(t, c.num_experts, c.top_k, generator=gen)
-            inputs.append(MoEEpTensors(x, ids.to(dev), w.to(dev)))
-        outs = [torch.empty(t, c.hidden_size, dtype=torch.bfloat16, device=dev) for _ in range(sets)]
-
-        def ours_fn(i: int, inputs: list[MoEEpTensors] = inputs, outs: list[torch.Tensor] = outs) -> Any:
-            return layer.forward(inputs[i], output=outs[i])
-
-        def base_fn(i: int, inputs: list[MoEEpTensors] = inputs) -> Any:
-            s = inputs[i]
-            return grouped_mm_moe(
-                s.hidden_states, s.topk_ids, s.topk_weights, w13_t, w2_t, c.activation, c.activation_limit
-            )
-
-        ours = _time_ms(ours_fn, iters, sets)
-        base = _time_ms(base_fn, iters, sets)
-        touched = sum(int(torch.unique(s.topk_ids).numel()) for s in inputs) / sets
-        weight_bytes = touched * c.weight_bytes_per_expert()
-        flops = c.flops(t)
-        floor_ms = max(flops / (ceilings["matmul_tflops"] * 1e9), weight_bytes / (ceilings["copy_tbs"] * 1e9))
-        row = {
-            "contract": name,
-            "backend": entry.kernel_name,
-            "tokens": t,
-            "ms": ours,
-            "baseline_ms": base,
-            "tflops": flops / ours / 1e9,
-            "weight_gbs": weight_bytes / ours / 1e6,
-            "floor_ms": floor_ms,
-            "pct_floor": 100 * floor_ms / ours,
-            "speedup": base / ours,
-            "mean_err": float("nan"),
-            "max_err": float("nan"),
-            "ulps": float("nan"),
-        }
-        if check and t:
-            s = inputs[0]
-            outs[0].fill_(float("nan"))
-            layer.forward(s, output=outs[0])
-            ref, scale = moe_reference(
-                s.hidden_states,
-                s.topk_ids,
-                s.topk_weights,
-                w13,
-                w2,
-                c.activation,
-                c.activation_limit,
-                return_term_scale=True,
-            )
-            row["mean_err"], row["max_err"] = relative_errors(outs[0], ref)
-            row["ulps"] = rounding_ulps(outs[0], ref, scale)
-        rows.append(row)
-        print(
-            f"  {name} T={t}: {ours:.3f} ms ({row['tflops']:.0f} TFLOP/s, {row['pct_floor']:.0f}% of floor), "
-            f"baseline {base:.3f} ms, x{row['speedup']:.2f}, err mean {row['mean_err']:.1e} max {row['max_err']:.1e}",
-            flush=True,
+            inputs_of[t].append(MoEEpTensors(x, ids.to(dev), w.to(dev)))
+    w13_t, w2_t = w13.transpose(1, 2), w2.transpose(1, 2)
+    base_ms: dict[int, float] = {}
+    first_ms: dict[int, float] = {}
+    rows = []
+    for entry in entries:
+        fmt = entry.weight_format if entry.weight_format in ("mxfp8", "nvfp4") else "bf16"
+        extra: dict[str, Any] = {}
+        q = None
+        if fmt == "bf16":
+            pack = MoEWeightPack(w13, w2)
+        else:
+            q, pack = _quantized_pack(w13, w2, fmt)
+            if fmt == "nvfp4":
+                calib = make_hidden_states(256, c.hidden_size, generator=gen).to(dev)
+                gs1, gs2 = nvfp4_static_scales(calib, q, c.activation, c.activation_limit)
+                extra = {"input_global_scale": gs1, "fc2_input_global_scale": gs2}
+        config = entry.load_config_class()(
+            c.hidden_size,
+            c.intermediate_size,
+            c.num_experts,
+            c.top_k,
+            c.activation,
+            c.activation_limit,
+            knobs,
+            **extra,
         )
-    layer.destroy()
+        layer = MoEEpLayer(
+            BootstrapConfig(device=dev),
+            FleetParams(c.num_experts, max(tokens), c.hidden_size),
+            pack,
+            backend=MegaConfig(config),
+            check_values=False,
+        )
+        layer.warmup()
+        for t in tokens:
+            inputs = inputs_of[t]
+            outs = [torch.empty(t, c.hidden_size, dtype=torch.bfloat16, device=dev) for _ in range(sets)]
+
+            def ours_fn(
+                i: int, inputs: list[MoEEpTensors] = inputs, outs: list[torch.Tensor] = outs, layer: Any = layer
+            ) -> Any:
+                return layer.forward(inputs[i], output=outs[i])
+
+            def base_fn(i: int, inputs: list[MoEEpTensors] = inputs) -> Any:
+                s = inputs[i]
+                return grouped_mm_moe(
+                    s.hidden_states, s.topk_ids, s.topk_weights, w13_t, w2_t, c.activation, c.activation_limit
+                )
+
+            ours = _time_ms(ours_fn, iters, sets)
+            if t not in base_ms:
+                base_ms[t] = _time_ms(base_fn, iters, sets)
+            base = base_ms[t]
+            first_ms.setdefault(t, ours)
+            touched = sum(int(torch.unique(s.topk_ids).numel()) for s in inputs) / sets
+            weight_bytes = touched * c.weight_bytes_per_expert() * BYTES_PER_WEIGHT[fmt] / 2
+            flops = c.flops(t)
+            floor_ms = max(flops / (ceilings["matmul_tflops"] * 1e9), weight_bytes / (ceilings["copy_tbs"] * 1e9))
+            row = {
+                "contract": name,
+                "backend": entry.kernel_name,
+                "tokens": t,
+                "ms": ours,
+                "baseline_ms": base,
+                "tflops": flops / ours / 1e9,
+                "weight_gbs": weight_bytes / ours / 1e6,
+                "floor_ms": floor_ms,
+                "pct_floor": 100 * floor_ms / ours,
+                "speedup": base / ours,
+                "vs_first": first_ms[t] / ours,
+                "mean_err": float("nan"),
+                "max_err": float("nan"),
+                "ulps": float("nan"),
+            }
+            if check and t and _check_fits(c, fmt):
+                s = inputs[0]
+                outs[0].fill_(float("nan"))
+                layer.forward(s, output=outs[0])
+                if q is None:
+                    ref, scale = moe_reference(s.hidden_states, s.topk_ids, s.topk_weights, w13, w2, c.activation,
+                                               c.activation_limit, return_term_scale=True)  # fmt: skip
+                    row["ulps"] = rounding_ulps(outs[0], ref, scale)
+                else:
+                    ref = moe_reference_quantized(s.hidden_states, s.topk_ids, s.topk_weights, q, c.activation,
+                                                  c.activation_limit, fmt=fmt, **extra)  # fmt: skip
+                row["mean_err"], row["max_err"] = relative_errors(outs[0], ref)
+            rows.append(row)
+            print(
+                f"  {name} {entry.kernel_name} T={t}: {ours:.3f} ms ({row['tflops']:.0f} TFLOP/s, "
+                f"{row['pct_floor']:.0f}% of floor), baseline {base:.3f} ms, x{row['speedup']:.2f}, "
+                f"x{row['vs_first']:.2f} vs {entries[0].kernel_name}, err mean {row['mean_err']:.1e} "
+                f"max {row['max_err']:.1e}",
+                flush=True,
+            )
+        layer.destroy()
+        del pack, q
+        torch.cuda.empty_cache()
     del w13, w2
     torch.cuda.empty_cache()
     return rows
@@ -187,19 +245,22 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise MoEEpConfigError("bench needs a CUDA GPU (run it on the H200 machine; see SKILL.md)")
     dev = torch.device("cuda")
-    entry, note = choose_backend(args.backend, dev)
-    if note:
-        print(f"note: {note}")
+    entries = []
+    for name in args.backend:
+        entry, note = choose_backend(name, dev)
+        if note:
+            print(f"note: {note}")
+        entries.append(entry)
     knobs = json.loads(args.knobs) if args.knobs else None
     ceilings = measure_ceilings()
     print(
         f"bench on {torch.cuda.get_device_name()}: ceilings {ceilings['matmul_tflops']:.0f} TFLOP/s bf16 matmul, "
-        f"{ceilings['copy_tbs']:.2f} TB/s copy; backend {entry.kernel_name}",
+        f"{ceilings['copy_tbs']:.2f} TB/s copy; backends {', '.join(e.kernel_name for e in entries)}",
         flush=True,
     )
     rows = []
     for name in args.contract:
-        rows += bench_contract(name, args.tokens, entry, knobs, args.sets, args.iters, not args.no_check, ceilings)
+        rows += bench_contract(name, args.tokens, entries, knobs, args.sets, args.iters, not args.no_check, ceilings)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "bench.csv", "w", newline="") as f:
@@ -209,13 +270,14 @@ def run(args: argparse.Namespace) -> int:
     plotted = _plot(rows, out / "bench.png")
     print(f"\nwrote {out / 'bench.csv'}" + (f" and {out / 'bench.png'}" if plotted else " (no matplotlib: no plot)"))
     print(
-        f"\n{'contract':<16} {'T':>6} {'ms':>8} {'TFLOP/s':>8} {'GB/s w':>8} {'%floor':>7} {'base ms':>8} "
-        f"{'x base':>6} {'max err':>8}"
+        f"\n{'contract':<16} {'backend':<30} {'T':>6} {'ms':>8} {'TFLOP/s':>8} {'GB/s w':>8} {'%floor':>7} "
+        f"{'base ms':>8} {'x base':>6} {'x 1st':>6} {'mean err':>8} {'max err':>8}"
     )
     for r in rows:
         print(
-            f"{r['contract']:<16} {r['tokens']:>6} {r['ms']:>8.3f} {r['tflops']:>8.0f} {r['weight_gbs']:>8.0f} "
-            f"{r['pct_floor']:>6.0f}% {r['baseline_ms']:>8.3f} {r['speedup']:>6.2f} {r['max_err']:>8.1e}"
+            f"{r['contract']:<16} {r['backend']:<30} {r['tokens']:>6} {r['ms']:>8.3f} {r['tflops']:>8.0f} "
+            f"{r['weight_gbs']:>8.0f} {r['pct_floor']:>6.0f}% {r['baseline_ms']:>8.3f} {r['speedup']:>6.2f} "
+            f"{r['vs_first']:>6.2f} {r['mean_err']:>8.1e} {r['max_err']:>8.1e}"
         )
     sys.stdout.flush()
     return 0

@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""Profiling probe of the block-scaled kernel: variants that switch parts off (wrong results, timing only).
+
+Here:   python scripts/quant_probe.py build     (exports the variants into .kcache/probe)
+There:  source .gpu/env.sh && python scripts/quant_probe.py run
+Prints per variant and shape the median ms over rotating inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+PROBE_DIR = ROOT / ".kcache" / "probe"
+# (contract, T, knobs) cases; probe bits: 1 = no conversion, 2 = no per-K-tile barriers
+CASES = [("deepseek-v3", 128), ("qwen3-30b-a3b", 16384)]
+VARIANTS = {
+    "mxfp8": {"fmt": "mxfp8", "probe": 0},
+    "mxfp8-m64": {"fmt": "mxfp8", "probe": 0, "tile_m": 64},
+    "mxfp8-m64-noconv": {"fmt": "mxfp8", "probe": 1, "tile_m": 64},
+    "mxfp8-nobar": {"fmt": "mxfp8", "probe": 2},
+    "nvfp4": {"fmt": "nvfp4", "probe": 0},
+    "nvfp4-m64": {"fmt": "nvfp4", "probe": 0, "tile_m": 64},
+}
+KNOBS = ("tile_m", "fc1_tile_n", "fc2_tile_n")
+
+
+def _frontend(contract: str, fmt: str):
+    from flashinfer.moe_ep.core.contracts import get_contract
+    from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
+
+    c = get_contract(contract)
+    g = drop.Geometry(c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit)
+    return (drop.Mxfp8Frontend if fmt == "mxfp8" else drop.Nvfp4Frontend)(g)
+
+
+def build() -> None:
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import kernel_helpers as kh
+
+    for contract, _ in CASES:
+        for name, v in VARIANTS.items():
+            fe = _frontend(contract, v["fmt"])
+            g, k = fe.geometry, fe.knobs
+            kn = {n: v.get(n, getattr(k, n)) for n in KNOBS}
+            kernel = kh.Sm90MegaMoEQuantKernel(
+                fmt=v["fmt"], activation=g.activation, limit=g.activation_limit, probe=v["probe"], **kn
+            )  # fmt: skip
+            kh.export_moe_quant(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k,
+                                PROBE_DIR / f"{contract}-{name}", "probe")  # fmt: skip
+            print("built", contract, name, flush=True)
+
+
+def run() -> None:
+    import torch
+
+    from flashinfer.moe_ep.core.contracts import get_contract
+    from flashinfer.moe_ep.core.inputs import make_expert_weights, make_hidden_states, make_topk
+    from flashinfer.moe_ep.core.reference_quant import quantize_expert_weights
+    from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import QuantKnobs, allocate_shared_workspace, kernel_cache
+
+    dev = torch.device("cuda")
+    rows = []
+    for contract, t in CASES:
+        c = get_contract(contract)
+        gen = torch.Generator(device=dev).manual_seed(0)
+        w13, w2 = make_expert_weights(c.num_experts, c.hidden_size, c.intermediate_size, c.activation,
+                                      generator=gen, device=dev)  # fmt: skip
+        qs = {fmt: quantize_expert_weights(w13, w2, fmt) for fmt in ("mxfp8", "nvfp4")}
+        del w13, w2
+        sets = []
+        for _ in range(3):
+            x = make_hidden_states(t, c.hidden_size, device=dev)
+            ids, w = make_topk(t, c.num_experts, c.top_k, device=dev)
+            sets.append((x, ids, w, torch.empty_like(x)))
+        for name, v in VARIANTS.items():
+            fe = _frontend(contract, v["fmt"])
+            fe = type(fe)(fe.geometry, QuantKnobs(**{**fe.knobs.__dict__, **{n: v[n] for n in KNOBS if n in v}}))
+            q = qs[v["fmt"]]
+            pw = fe.prepare_weights(q.w13, q.w13_scale, q.w2, q.w2_scale, q.w13_global_scale, q.w2_global_scale)
+            ws = allocate_shared_workspace([fe], t, dev)[0]
+            gs = torch.ones(2, device=dev)
+            fn = kernel_cache.load_function(PROBE_DIR / f"{contract}-{name}" / "libprobe.so", "probe")
+
+            def launch(i: int, fn=fn, pw=pw, ws=ws, gs=gs, sets=sets) -> None:
+                x, ids, w, out = sets[i % 3]
+                fn(x, ids, w, pw.w13, pw.w2, pw.w13_gscale, pw.w2_gscale, gs, out, *ws.values())
+
+            for i in range(3):
+                launch(i)
+            torch.cuda.synchronize()
+            times = []
+            for i in range(15):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                launch(i)
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b))
+            rows.append((contract, t, name, statistics.median(times)))
+            print(rows[-1], flush=True)
+
+        del qs
+        torch.cuda.empty_cache()
+    print(f"\n{'contract':<16} {'T':>6} {'variant':<14} {'ms':>8}")
+    for r in rows:
+        print(f"{r[0]:<16} {r[1]:>6} {r[2]:<14} {r[3]:>8.3f}")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("what", choices=["build", "run"])
+    a = p.parse_args()
+    build() if a.what == "build" else run()

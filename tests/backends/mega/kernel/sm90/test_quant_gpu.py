@@ -1,0 +1,189 @@
+"""The SM90 MXFP8 and NVFP4 backends on the GPU against the format-aware reference (marked ``gpu``).
+
+Every case: fresh random inputs, output poisoned with NaN, compared with
+``core.reference_quant.moe_reference_quantized`` on the same quantized weights (NVFP4 with the same
+static activation global scales): every element within ``MAX_UNITS`` format units (``format_units``)
+and, from ``MEAN_GATE_T`` tokens on, mean relative error < 1 % (over |ref| > 1e-2 max|ref|); the max
+relative error and the share of bit-equal outputs are printed. A second run is bitwise equal.
+
+Why the mean is gated only over enough tokens: one requantization flip of the FC1 output (an
+element on an E2M1 rounding boundary, decided differently after fp32 sums of another order or the
+hardware exp/reciprocal of the activation) moves one E2M1 step of one activation, which changes that
+token's whole output row by ~3-4 % relative (measured: NVFP4 swiglu_oai, T=1, mean 4.1 %, 0.03
+units). Over 128+ tokens such flips are rare enough for the mean; the units gate holds everywhere.
+
+Format units: the kernel and the reference requantize the FC1 output after fp32 sums of different
+order, so an element on a rounding boundary may land one quantization step apart (an E4M3 step is
+2^-3 relative, an E2M1 step up to a whole unit of the block scale), and the bf16 outputs round
+after that. ``format_units`` measures ``|out - ref| / (u (|ref| + S))`` with ``S`` the term scale of
+the reference and ``u`` = 2^-4 (MXFP8) or 2^-2 (NVFP4): half a step. A wrong scale, block, expert
+or row is tens to thousands of units.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+import flashinfer.moe_ep as moe
+from flashinfer.moe_ep.core.contracts import CONTRACTS
+from flashinfer.moe_ep.core.inputs import make_expert_weights, make_hidden_states, make_topk, relative_errors
+from flashinfer.moe_ep.core.reference_quant import moe_reference_quantized, nvfp4_static_scales, quantize_expert_weights
+
+pytestmark = pytest.mark.gpu
+
+MAX_T = 4096
+MAX_UNITS = 4.0
+MEAN_GATE_T = 128
+UNIT = {"mxfp8": 2.0**-4, "nvfp4": 2.0**-2}
+SMALL = {"hidden_size": 256, "intermediate_size": 128, "num_experts": 16, "top_k": 4}
+ACTIVATIONS = [
+    ("swiglu", None),
+    ("swiglu", 4.0),
+    ("swiglu_oai", None),
+    ("geglu", None),
+    ("reglu", None),
+    ("relu2", None),
+]
+FORMATS = ("mxfp8", "nvfp4")
+TOKENS = (1, 7, 128, 1000)
+ROUTINGS = ("uniform", "skewed", "empty")
+CONFIG_CLS = {
+    "mxfp8": moe.Sm90_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig,
+    "nvfp4": moe.Sm90_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig,
+}
+
+
+def _config(fmt: str, geometry: dict, **scales: float):
+    return CONFIG_CLS[fmt](**geometry, **scales)
+
+
+#: (name, fmt, geometry) of every variant these tests run; the GPU session script prebuilds them
+#: (the NVFP4 scales are runtime tensors: they do not change the compiled kernel).
+GPU_VARIANTS = [
+    (f"{fmt}-small-{act}{'' if lim is None else f'-limit{lim:g}'}", fmt,
+     {**SMALL, "activation": act, "activation_limit": lim})
+    for fmt in FORMATS for act, lim in ACTIVATIONS
+] + [
+    (f"{fmt}-{name}", fmt, {"hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+                            "num_experts": c.num_experts, "top_k": c.top_k, "activation": c.activation,
+                            "activation_limit": c.activation_limit})
+    for fmt in FORMATS for name, c in CONTRACTS.items() if name == "qwen3-30b-a3b"
+] + [
+    # decode tiles: 64 MMA rows, the second consumer warpgroup converting only
+    (f"{fmt}-small-swiglu-m64", fmt, {**SMALL, "activation": "swiglu", "activation_limit": None,
+                                      "knobs": {"tile_m": 64, "fc1_tile_n": 128, "fc2_tile_n": 128}})
+    for fmt in FORMATS
+]  # fmt: skip
+
+_layers: dict[str, tuple] = {}
+
+
+def calibrated_scales(fmt: str, geometry: dict, q, x: torch.Tensor) -> dict[str, float]:
+    """NVFP4 static activation global scales from a calibration batch; MXFP8 has none."""
+    if fmt != "nvfp4":
+        return {}
+    gs1, gs2 = nvfp4_static_scales(x, q, geometry["activation"], geometry["activation_limit"])
+    return {"input_global_scale": gs1, "fc2_input_global_scale": gs2}
+
+
+def _layer(name: str):
+    if name not in _layers:
+        _, fmt, geometry = next(v for v in GPU_VARIANTS if v[0] == name)
+        g = torch.Generator().manual_seed(len(_layers) + 23)
+        w13, w2 = make_expert_weights(geometry["num_experts"], geometry["hidden_size"], geometry["intermediate_size"],
+                                      geometry["activation"], generator=g, device="cuda")  # fmt: skip
+        q = quantize_expert_weights(w13, w2, fmt)
+        calib = make_hidden_states(256, geometry["hidden_size"], generator=g, device="cuda")
+        scales = calibrated_scales(fmt, geometry, q, calib)
+        cfg = _config(fmt, geometry, **scales)
+        layer = moe.MoEEpLayer(
+            moe.BootstrapConfig(device="cuda"),
+            moe.FleetParams(cfg.num_experts, MAX_T, cfg.hidden_size),
+            moe.MoEWeightPack(q.w13, q.w2, q.w13_scale, q.w2_scale, q.w13_global_scale, q.w2_global_scale),
+            backend=moe.MegaConfig(cfg),
+        )
+        layer.warmup()
+        _layers[name] = (layer, cfg, q, scales)
+    return _layers[name]
+
+
+def _inputs(cfg, t: int, routing: str, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = make_hidden_states(t, cfg.hidden_size, generator=g, device="cuda")
+    ids, w = make_topk(t, cfg.num_experts, cfg.top_k, routing=routing, generator=g, device="cuda")
+    return moe.MoEEpTensors(x, ids, w)
+
+
+def format_units(out: torch.Tensor, ref: torch.Tensor, term_scale: torch.Tensor, fmt: str) -> float:
+    if out.numel() == 0:
+        return 0.0
+    o, r, s = out.double(), ref.double(), term_scale.double()
+    if not bool(torch.isfinite(o).all()):
+        return float("inf")
+    return ((o - r).abs() / (UNIT[fmt] * (r.abs() + s)).clamp_min(1e-30)).max().item()
+
+
+def _check(name: str, inp) -> None:
+    layer, cfg, q, scales = _layer(name)
+    t = inp.hidden_states.shape[0]
+    out = torch.full((t, cfg.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
+    layer.forward(inp, output=out)
+    ref, term = moe_reference_quantized(inp.hidden_states, inp.topk_ids, inp.topk_weights, q, cfg.activation,
+                                        cfg.activation_limit, fmt=cfg.weight_format, return_term_scale=True,
+                                        **scales)  # fmt: skip
+    assert not bool(out.isnan().any()), "some output rows were never written"
+    mean_err, max_err = relative_errors(out, ref)
+    units = format_units(out, ref, term, cfg.weight_format)
+    exact = (out == ref).float().mean().item()
+    print(f"{name} T={t}: mean rel {mean_err:.2e}, max rel {max_err:.2e}, {units:.2f} units, {exact:.1%} bit-equal")
+    assert units <= MAX_UNITS, (mean_err, max_err, units)
+    assert t < MEAN_GATE_T or mean_err < 1e-2, (mean_err, max_err, units)
+    again = torch.full_like(out, float("nan"))
+    layer.forward(inp, output=again)
+    assert torch.equal(out, again), "two runs on the same inputs differ"
+
+
+@pytest.mark.parametrize("variant", [v[0] for v in GPU_VARIANTS if "-small-" in v[0]])
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_small_every_activation(variant: str, routing: str) -> None:
+    for i, t in enumerate(TOKENS):
+        _check(variant, _inputs(_layer(variant)[1], t, routing, seed=zlib.crc32(f"{variant}/{routing}/{i}".encode())))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("t", [1, 128, 1000, MAX_T])
+def test_qwen3_30b(fmt: str, t: int) -> None:
+    name = f"{fmt}-qwen3-30b-a3b"
+    _check(name, _inputs(_layer(name)[1], t, "uniform" if t % 2 else "skewed", seed=t))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_zero_tokens(fmt: str) -> None:
+    layer, cfg, _, _ = _layer(f"{fmt}-small-swiglu")
+    assert layer.forward(_inputs(cfg, 0, "uniform", 0)).shape == (0, cfg.hidden_size)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cuda_graph_replay_equals_eager(fmt: str) -> None:
+    layer, cfg, _, _ = _layer(f"{fmt}-qwen3-30b-a3b")
+    static = _inputs(cfg, 300, "uniform", seed=5)
+    out = torch.empty(300, cfg.hidden_size, dtype=torch.bfloat16, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer.forward(static, output=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer.forward(static, output=out)
+    for seed in (6, 7):
+        fresh = _inputs(cfg, 300, "skewed", seed=seed)
+        static.hidden_states.copy_(fresh.hidden_states)
+        static.topk_ids.copy_(fresh.topk_ids)
+        static.topk_weights.copy_(fresh.topk_weights)
+        out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(out, layer.forward(fresh))
