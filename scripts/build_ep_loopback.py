@@ -27,6 +27,7 @@ SMALL = dict(hidden=256, inter=128, num_experts=16, activation="swiglu", tile_m=
 VARIANTS = {
     "ep_r2_k4": (2, 4),
     "ep_r4_k4": (4, 4),
+    "ep_r8_k4": (8, 4),
     "ep_r2_k1": (2, 1),
 }
 
@@ -65,7 +66,9 @@ def build(names: list[str], out: Path) -> dict:
     from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import kernel_helpers as kh
 
     out.mkdir(parents=True, exist_ok=True)
-    manifest = {}
+    path = out / "manifest.json"
+    # --only rebuilds some variants: keep the others' records
+    manifest = json.loads(path.read_text()) if path.exists() else {}
     for name in names:
         world, top_k = VARIANTS[name]
         rec = variant_record(name, world, top_k)

@@ -34,7 +34,13 @@ def add_parser(sub: Any) -> None:
         "--max-tokens", type=int, nargs="+", default=[8, 512, 4096], help="T to tune at, at most one per token bucket"
     )
     p.add_argument("--allow-nondeterministic", action="store_true", help="also try nondeterministic knob values")
-    p.add_argument("--iters", type=int, default=10, help="timed launches per candidate")
+    p.add_argument("--iters", type=int, default=20, help="timed launches per candidate")
+    p.add_argument(
+        "--margin",
+        type=float,
+        default=bf16_tuning.DEFAULT_MARGIN,
+        help="a candidate replaces a bucket's defaults only when faster by more than this fraction (default 0.04)",
+    )
     p.add_argument("--cache", default=None, help="kernel cache directory (default: $FLASHINFER_MOE_EP_KERNEL_CACHE)")
     p.add_argument("--knob-cache", default=None, help="knob cache file (default: $FLASHINFER_MOE_EP_KNOB_CACHE)")
     p.set_defaults(func=run)
@@ -106,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
                 kernel_cache_root=root,
                 progress=True,
                 iters=args.iters,
+                margin=args.margin,
             )
             libs = tuning.build_winners(cfg, e_local, results, root)
             del w13, w2

@@ -127,3 +127,43 @@ def test_world_one_issues_no_collective_and_prints_progress(capsys) -> None:
 def test_ties_go_to_the_first_candidate() -> None:
     res = at.autotune(["x", "y"], lambda c: lambda: 1.0, timer=fake_timer, progress=False)
     assert res.winner == "x"
+
+
+def test_incumbent_holds_unless_beaten_by_more_than_the_margin() -> None:
+    times = {"defaults": 1.00, "close": 0.97, "clear": 0.90}
+
+    def run(names: list[str], margin: float) -> str:
+        res = at.autotune(
+            names, lambda c: lambda c=c: times[c], timer=fake_timer, progress=False, incumbent="defaults", margin=margin
+        )
+        return res.winner
+
+    assert run(["defaults", "close"], 0.04) == "defaults"  # 3 % faster: inside the margin
+    assert run(["defaults", "close", "clear"], 0.04) == "clear"  # 10 % faster: replaces the defaults
+    assert run(["defaults", "close"], 0.0) == "close"  # no margin: plain argmin
+    with pytest.raises(ValueError, match="margin"):
+        at.autotune(["defaults"], lambda c: lambda: 1.0, timer=fake_timer, progress=False, margin=1.5)
+
+
+@pytest.mark.parametrize("world", [2])
+def test_incumbent_decision_is_the_same_on_every_rank(world: int) -> None:
+    """Each rank alone would keep or drop the incumbent differently; the all-reduced times decide."""
+    results = run_on_local_ranks(_run_incumbent, world, timeout_s=120)
+    assert [r["winner"] for r in results] == ["b"] * world
+    assert min(TIMES[1], key=lambda c: TIMES[1][c]) == "c"  # rank 1 alone would keep the incumbent
+
+
+def _run_incumbent(rank: int, world: int) -> dict:
+    # max over ranks: a 9, b 5, c 7, d 6; incumbent c (7): b is 29 % faster, beyond the 4 % margin.
+    res = at.autotune(
+        CANDIDATES,
+        lambda c: FakeFrontend(rank, c).load(),
+        rank=rank,
+        world_size=world,
+        timer=fake_timer,
+        iters=3,
+        progress=False,
+        incumbent="c",
+        margin=0.04,
+    )
+    return {"winner": res.winner}

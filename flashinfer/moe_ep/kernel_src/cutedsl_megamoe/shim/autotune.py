@@ -13,7 +13,10 @@ Protocol, per candidate, on every rank, in the candidate list's order:
 
 Every rank runs both collectives for every candidate whatever happened locally, so the sequence of
 collectives is identical on all ranks and a failing candidate cannot hang the sweep. The winner is the
-argmin of the all-reduced times (first in list order on ties): the same on every rank. At world size 1
+argmin of the all-reduced times (first in list order on ties): the same on every rank. With an
+``incumbent`` (the defaults) it stays the winner unless the argmin beats it by more than ``margin``
+(a fraction): timings closer than the run-to-run spread do not replace the defaults with a candidate
+that is only luckier, so a tuned layer is not slower than the defaults it started from. At world size 1
 no collective is issued. Works with gloo (CPU tensors) and NCCL (CUDA tensors).
 
 A kernel fault that poisons the CUDA context cannot be recovered here: the next collective fails on
@@ -125,13 +128,18 @@ def autotune(
     iters: int = 10,
     progress: bool = True,
     label: str = "autotune",
+    incumbent: K | None = None,
+    margin: float = 0.0,
 ) -> AutotuneResult[K]:
     """Time ``candidates`` on every rank of ``group`` in lockstep; return the common winner and the table.
 
     ``run_candidate(c)`` compiles or loads ``c`` and returns its launch; ``timer(launch, iters)`` returns
     per-launch milliseconds (default: CUDA events). Every rank must pass the same candidate list.
-    Raises ``AutotuneError`` (on every rank alike) when no candidate survives.
+    Raises ``AutotuneError`` (on every rank alike) when no candidate survives. ``incumbent`` (one of
+    ``candidates``) wins unless a candidate is faster by more than ``margin`` of its time.
     """
+    if not 0.0 <= margin < 1.0:
+        raise ValueError(f"margin must be in [0, 1), got {margin}")
     import torch.distributed as dist
 
     timer = timer or cuda_event_timer()
@@ -180,6 +188,9 @@ def autotune(
     if best is None:
         lines = "\n".join(f"  {r.candidate}: {r.reason}" for r in table)
         raise AutotuneError(f"{label}: no candidate ran on every rank\n{lines}")
+    held = next((r for r in table if r.ok and incumbent is not None and r.candidate == incumbent), None)
+    if held is not None and best.ms > held.ms * (1.0 - margin):
+        best = held  # all-reduced times: the same decision on every rank
     return AutotuneResult(best.candidate, best.ms, table)
 
 

@@ -179,24 +179,28 @@ def _world(name: str) -> LoopbackWorld:
     return _worlds[name]
 
 
+#: loopback worlds of the protocol tests: R = 2, 4, 8 ranks on one GPU (16 experts: 2 per rank at R = 8)
+RANKS = ["ep_r2_k4", "ep_r4_k4", "ep_r8_k4"]
+
+
 def _uneven(r_count: int) -> list[int]:
-    return {2: [300, 0], 4: [1, 257, 0, 64]}[r_count]
+    return {2: [300, 0], 4: [1, 257, 0, 64], 8: [1, 257, 0, 64, 300, 0, 5, 128]}[r_count]
 
 
-@pytest.mark.parametrize("name", ["ep_r2_k4", "ep_r4_k4"])
+@pytest.mark.parametrize("name", RANKS)
 def test_uneven_tokens_with_a_zero_token_rank(name: str) -> None:
     w = _world(name)
     w.check(*w.inputs(_uneven(w.R), "uniform", seed=1))
     w.check(*w.inputs(_uneven(w.R)[::-1], "skewed", seed=2))
 
 
-@pytest.mark.parametrize("name", ["ep_r2_k4", "ep_r4_k4"])
+@pytest.mark.parametrize("name", RANKS)
 def test_one_token_per_rank(name: str) -> None:
     w = _world(name)
     w.check(*w.inputs([1] * w.R, "uniform", seed=3))
 
 
-@pytest.mark.parametrize("name", ["ep_r2_k4", "ep_r4_k4"])
+@pytest.mark.parametrize("name", RANKS)
 def test_full_capacity(name: str) -> None:
     w = _world(name)
     w.check(*w.inputs([w.max_tokens] * w.R, "uniform", seed=4))
@@ -211,13 +215,13 @@ def test_all_tokens_to_one_expert() -> None:
     w4.check(*w4.inputs([100, 0, 37, 250], "one_expert", seed=6))
 
 
-@pytest.mark.parametrize("name", ["ep_r2_k4", "ep_r4_k4"])
+@pytest.mark.parametrize("name", RANKS[:2])  # R = 8 has 2 experts per rank, fewer than top_k = 4
 def test_all_tokens_to_one_ranks_experts(name: str) -> None:
     w = _world(name)
     w.check(*w.inputs(_uneven(w.R), "uniform", seed=7, expert_range=(w.e_loc, 2 * w.e_loc)))
 
 
-@pytest.mark.parametrize("name", ["ep_r2_k4", "ep_r4_k4"])
+@pytest.mark.parametrize("name", RANKS)
 def test_bitwise_repeatable_under_launch_skew(name: str) -> None:
     w = _world(name)
     inp = w.inputs(_uneven(w.R), "skewed", seed=8)
@@ -230,7 +234,7 @@ def test_bitwise_repeatable_under_launch_skew(name: str) -> None:
             assert torch.equal(outs[r], first[r]), f"run {i} rank {r} differs"
 
 
-@pytest.mark.parametrize("name", ["ep_r2_k4", "ep_r4_k4"])
+@pytest.mark.parametrize("name", RANKS)
 def test_forced_timeout_sets_the_abort_word_then_recovers(name: str) -> None:
     w = _world(name)
     inp = w.inputs(_uneven(w.R), "uniform", seed=9)

@@ -138,3 +138,38 @@ def test_cuda_graph_replay_equals_eager() -> None:
         graph.replay()
         eager = layer.forward(fresh)
         assert torch.equal(out, eager)
+
+
+def test_cuda_graph_per_token_bucket() -> None:
+    """A graph captured at a decode T and one at a prefill T each hold their bucket's kernel (the bucket
+    is picked from the host-side T at capture); replays interleaved with fresh inputs equal eager."""
+    from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import tuner
+
+    layer, cfg, _, _ = _layer("qwen3-30b-a3b")
+    sizes = (64, 4096)
+    assert tuner.bucket_of(sizes[0]) == "decode" and tuner.bucket_of(sizes[1]) == "prefill"
+    by_bucket = layer._backend._by_bucket
+    assert by_bucket["decode"][0].knobs != by_bucket["prefill"][0].knobs
+    stream = torch.cuda.Stream()
+    graphs = {}
+    for t in sizes:
+        static = _inputs(cfg, t, "uniform", seed=t)
+        out = torch.empty(t, cfg.hidden_size, dtype=torch.bfloat16, device="cuda")
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            layer.forward(static, output=out)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            layer.forward(static, output=out)
+        graphs[t] = (graph, static, out)
+    for rnd in range(2):
+        for t in sizes:
+            graph, static, out = graphs[t]
+            fresh = _inputs(cfg, t, "skewed", seed=100 * rnd + t)
+            static.hidden_states.copy_(fresh.hidden_states)
+            static.topk_ids.copy_(fresh.topk_ids)
+            static.topk_weights.copy_(fresh.topk_weights)
+            out.fill_(float("nan"))
+            graph.replay()
+            assert torch.equal(out, layer.forward(fresh)), (rnd, t)

@@ -22,6 +22,9 @@ from ......errors import MoEEpBackendUnavailableError, MoEEpConfigError
 from .config import Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig
 
 AUTO = "auto"
+#: a candidate must beat a bucket's defaults by more than this to replace them: the run-to-run spread
+#: of the layer's median time measured on the H200 (about 4 %, TUNING.md "Autotune and cold start").
+DEFAULT_MARGIN = 0.04
 
 
 def _drop() -> Any:
@@ -150,11 +153,13 @@ def autotune_profiles(
     kernel_cache_root: Path | None = None,
     progress: bool = True,
     iters: int = 10,
+    margin: float = DEFAULT_MARGIN,
 ) -> dict[str, Any]:
     """Autotune one T per bucket (``tokens``), largest first (its winner fixes the layout knobs of the
     rest), every rank in lockstep. ``w13``/``w2``: this rank's weights in natural layouts, on
     ``device``. Records each winner in the knob cache (rank 0) when ``record``. Returns bucket ->
-    ``AutotuneResult``."""
+    ``AutotuneResult``. A candidate replaces a bucket's defaults only when it is faster by more than
+    ``margin`` (the defaults are the incumbent, see ``drop.autotune.autotune``)."""
     drop = _drop()
     tuner = drop.tuner
     geometry = make_geometry(config, num_local_experts)
@@ -187,6 +192,7 @@ def autotune_profiles(
             return lambda: fe.launch(x, ids, weights, pw13, pw2, out, ws)
 
         cands = tuner.candidates(geometry, t, pinned=pinned, allow_nondeterministic=allow_nondeterministic)
+        incumbent = tuner.pin(tuner.default_knobs(geometry, t), pinned)  # in ``cands`` (tuner.candidates)
         try:
             result = drop.autotune.autotune(
                 cands,
@@ -197,6 +203,8 @@ def autotune_profiles(
                 iters=iters,
                 progress=progress,
                 label=f"autotune {config.kernel_name} {b.name} T={t}",
+                incumbent=incumbent,
+                margin=margin,
             )
         except drop.autotune.AutotuneError as exc:
             raise MoEEpBackendUnavailableError(str(exc)) from None
