@@ -187,3 +187,20 @@ def test_cuda_graph_replay_equals_eager(fmt: str) -> None:
         out.fill_(float("nan"))
         graph.replay()
         assert torch.equal(out, layer.forward(fresh))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_layers_of_one_geometry_share_one_workspace(fmt: str) -> None:
+    name = f"{fmt}-small-swiglu"
+    layer, cfg, q, _ = _layer(name)
+    other = moe.MoEEpLayer(
+        moe.BootstrapConfig(device="cuda"),
+        moe.FleetParams(cfg.num_experts, MAX_T, cfg.hidden_size),
+        moe.MoEWeightPack(q.w13, q.w2, q.w13_scale, q.w2_scale, q.w13_global_scale, q.w2_global_scale),
+        backend=moe.MegaConfig(cfg),
+    )
+    for bucket in ("decode", "prefill"):
+        mine, theirs = layer._backend.workspace[bucket], other._backend.workspace[bucket]
+        assert all(mine[k].data_ptr() == theirs[k].data_ptr() for k in mine), bucket
+    other.destroy()  # releases its reference only: the first layer keeps working
+    _check(name, _inputs(cfg, 300, "uniform", seed=11))

@@ -131,12 +131,22 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
         self.act_gscale = torch.tensor(scales, dtype=torch.float32, device=self.device)
 
     def allocate_workspace(self) -> None:
-        from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import allocate_shared_workspace
+        """One workspace per (kernel variants, capacity, device), shared by every layer that matches
+        (the refcounted pool of the BF16 backend) and by both token buckets of the layer."""
+        from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import allocate_shared_workspace, comm
 
         frontends = list(dict.fromkeys(self.frontends.values()))
-        with torch.cuda.device(self.device):
-            views = allocate_shared_workspace(frontends, self.fleet.max_tokens_per_rank, self.device)
-        by_frontend = {id(fe): ws for fe, ws in zip(frontends, views, strict=True)}
+        cap = self.fleet.max_tokens_per_rank
+        digests = tuple(fe.key.digest() for fe in frontends)
+        self._workspace_key = (digests, cap, str(self.device))
+
+        def make() -> dict[str, dict[str, torch.Tensor]]:
+            with torch.cuda.device(self.device):
+                views = allocate_shared_workspace(frontends, cap, self.device)
+            return dict(zip(digests, views, strict=True))
+
+        shared = comm.WORKSPACES.acquire(self._workspace_key, make)
+        by_frontend = {id(fe): shared[d] for fe, d in zip(frontends, digests, strict=True)}
         self.workspace = {name: by_frontend[id(fe)] for name, fe in self.frontends.items()}
 
     def _load(self, frontend: Any) -> None:
@@ -183,7 +193,11 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
         )
 
     def destroy(self) -> None:
+        from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import comm
+
         self.weights = None
+        if self.workspace:
+            comm.WORKSPACES.release(self._workspace_key)
         self.workspace = {}
 
 
