@@ -49,3 +49,11 @@ def test_doctor_detects_upstream_flashinfer(monkeypatch) -> None:
 def test_bad_subcommand() -> None:
     with pytest.raises(SystemExit):
         main(["nope"])
+
+
+def test_tune_refuses_world_size_above_one(monkeypatch, capsys) -> None:
+    """EP has no tuning surface yet: under torchrun, tune says so instead of recording unused winners."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert main(["tune", "--contract", "tiny"]) == 2
+    assert "no tuning surface yet" in capsys.readouterr().err

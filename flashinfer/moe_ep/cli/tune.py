@@ -2,8 +2,11 @@
 the kernel cache (a server then starts with ``knobs=None`` without compiling or tuning).
 
 One rank: ``python -m flashinfer.moe_ep tune --contract qwen3-30b-a3b --max-tokens 8 512 4096``.
-EP: ``torchrun --nproc-per-node N -m flashinfer.moe_ep tune ...``: every rank tunes its ``E / N``
-experts in lockstep (NCCL) and all ranks take one winner per token bucket; rank 0 records it.
+
+World size > 1 (torchrun) is refused for now: the expert-parallel layer runs its own kernel (a draft
+without a tuning surface) and reads no knob-cache entry, so winners tuned on per-rank world-1 kernels
+would be recorded for nothing. The collective protocol that EP tuning will use (every rank in
+lockstep, one winner, failures dropped everywhere) is ``drop.autotune``, tested on CPU ranks.
 """
 
 from __future__ import annotations
@@ -64,6 +67,11 @@ def _weights(e_local: int, hidden: int, fc1_rows: int, inter: int, device: torch
 
 def run(args: argparse.Namespace) -> int:
     rank, world, local_rank = _ranks()
+    if world > 1:
+        raise MoEEpConfigError(
+            f"tune runs on one rank (WORLD_SIZE={world} here): the expert-parallel layer's kernel has no "
+            "tuning surface yet and reads no knob-cache entry (see TUNING.md, 'Autotune protocol')"
+        )
     device = torch.device("cuda", local_rank)
     missing = sm90_requirements(device)
     if missing:
@@ -76,61 +84,45 @@ def run(args: argparse.Namespace) -> int:
     assert entry is not None
     names = list(CONTRACTS) if args.contract == ["all"] else args.contract
     contracts = [get_contract(n) for n in names]
-    for c in contracts:
-        if c.num_experts % world:
-            raise MoEEpConfigError(f"{c.name}: {c.num_experts} experts do not split over {world} ranks")
     root = Path(args.cache).expanduser() if args.cache else None
     knob_path = Path(args.knob_cache).expanduser() if args.knob_cache else None
 
     torch.cuda.set_device(device)
-    group_made = False
-    if world > 1:
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            dist.init_process_group("nccl", device_id=device)
-            group_made = True
-    try:
-        for c in contracts:
-            cfg = entry.load_config_class()(
-                c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit
-            )
-            e_local = c.num_experts // world
-            w13, w2 = _weights(e_local, c.hidden_size, cfg.fc1_rows, c.intermediate_size, device, 1234 + rank)
-            results = tuning.autotune_profiles(
-                cfg,
-                e_local,
-                args.max_tokens,
-                w13,
-                w2,
-                device,
-                context=tuning.tune_context(device, world),
-                rank=rank,
-                world_size=world,
-                allow_nondeterministic=args.allow_nondeterministic,
-                cache_path=knob_path,
-                kernel_cache_root=root,
-                progress=True,
-                iters=args.iters,
-                margin=args.margin,
-            )
-            libs = tuning.build_winners(cfg, e_local, results, root)
-            del w13, w2
-            torch.cuda.empty_cache()
-            if rank == 0:
-                for bucket, r in results.items():
-                    dropped = sum(not row.ok for row in r.table)
-                    print(
-                        f"{c.name} {bucket}: {tuning.describe_knobs(r.winner)}: {r.winner_ms:.4f} ms "
-                        f"({len(r.table)} candidates, {dropped} dropped) -> {libs[bucket]}",
-                        flush=True,
-                    )
-                print(f"knobs recorded in {tuning.knob_cache_file(knob_path) or '(knob cache off)'}", flush=True)
-    finally:
-        if group_made:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
+    for c in contracts:
+        cfg = entry.load_config_class()(
+            c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit
+        )
+        e_local = c.num_experts // world
+        w13, w2 = _weights(e_local, c.hidden_size, cfg.fc1_rows, c.intermediate_size, device, 1234 + rank)
+        results = tuning.autotune_profiles(
+            cfg,
+            e_local,
+            args.max_tokens,
+            w13,
+            w2,
+            device,
+            context=tuning.tune_context(device, world),
+            rank=rank,
+            world_size=world,
+            allow_nondeterministic=args.allow_nondeterministic,
+            cache_path=knob_path,
+            kernel_cache_root=root,
+            progress=True,
+            iters=args.iters,
+            margin=args.margin,
+        )
+        libs = tuning.build_winners(cfg, e_local, results, root)
+        del w13, w2
+        torch.cuda.empty_cache()
+        if rank == 0:
+            for bucket, r in results.items():
+                dropped = sum(not row.ok for row in r.table)
+                print(
+                    f"{c.name} {bucket}: {tuning.describe_knobs(r.winner)}: {r.winner_ms:.4f} ms "
+                    f"({len(r.table)} candidates, {dropped} dropped) -> {libs[bucket]}",
+                    flush=True,
+                )
+            print(f"knobs recorded in {tuning.knob_cache_file(knob_path) or '(knob cache off)'}", flush=True)
     return 0
 
 
