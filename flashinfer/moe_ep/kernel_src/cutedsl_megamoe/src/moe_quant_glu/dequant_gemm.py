@@ -7,13 +7,14 @@ Pipeline per K tile (64):
   (``tile_n x row_bytes``: data + block multipliers, see ``weights``) into stage ``s`` of the ring;
 - consumer warpgroups (two, whatever rows they own; with ``tile_m=64`` the second only converts):
   convert the packed rows of stage ``s`` into a BF16 tile in the 128B-swizzled K-major layout WGMMA
-  reads, in one of two BF16 buffers; ``fence.proxy.async`` + named barrier, then the WGMMA.
+  reads, in one of three BF16 buffers; ``fence.proxy.async`` + named barrier, then the WGMMA.
 
-The conversion of tile k+1 runs while the WGMMA of tile k is in flight: after committing WGMMA k the
-consumers wait for WGMMA k-1 (``wait_group(1)``), meet at a barrier (every warpgroup is done reading
-the other BF16 buffer), release the ring stage of k-1, then fill the other buffer from stage k+1.
-(Measured alternatives, TUNING.md: separate A and weight rings released at different times, fed by
-two producer warps, were slower.)
+Per K tile k: issue WGMMA k; convert tile k+1 into buffer (k+1) % 3, which WGMMA k-2 read and which
+every warpgroup has already waited for; ``wait_group(1)`` (WGMMA k-1 done) and release its ring
+stage; one named barrier (tile k+1 converted by everyone). With two buffers (``bf_buffers=2``) the
+conversion must wait for every warpgroup's WGMMA k-1 first: two barriers per K tile and less overlap.
+Measured (TUNING.md): three buffers are 22 % faster at decode (tile_m 64) and 6 % at prefill although
+the third buffer costs a ring stage; separate A and weight rings fed by two producer warps were slower.
 
 Epilogue: NVFP4 multiplies the fp32 accumulator by ``act_gscale[i] * w_gscale[expert]`` (the global
 scales left out of the BF16 operands); then the activation (FC1) and, with ``requant``, the
@@ -49,6 +50,7 @@ class DequantGroupedGemmSm90(GroupedGemmSm90):
         requant: bool = False,
         gscale_index: int = 0,
         probe: int = 0,
+        bf_buffers: int = 3,
     ) -> None:
         super().__init__(tile_m, tile_n, epilogue, limit, num_sms, ab_stages, epi_direct=False, cluster_m=1)
         if fmt not in constants.QUANT_FORMATS:
@@ -71,6 +73,12 @@ class DequantGroupedGemmSm90(GroupedGemmSm90):
         self.conv_barrier = pipeline.NamedBarrier(barrier_id=2, num_threads=self.num_conv_threads)
         # Profiling only (wrong results): bit 0 skips the conversion, bit 1 the per-K-tile barriers.
         self.probe = probe
+        # Converted BF16 buffers: 2 (convert K tile k+1 once every warpgroup's WGMMA k-1 is done: two
+        # barriers per K tile) or 3 (the buffer being filled was read by WGMMA k-2, already waited
+        # for: one barrier per K tile, at the cost of one ring stage of shared memory).
+        if bf_buffers not in (2, 3):
+            raise ValueError(f"bf_buffers must be 2 or 3, got {bf_buffers}")
+        self.bf_buffers = bf_buffers
 
     def _setup(self, a: cute.Tensor, b_raw: cute.Tensor, c: cute.Tensor) -> None:
         self.ab_dtype = a.element_type
@@ -103,14 +111,16 @@ class DequantGroupedGemmSm90(GroupedGemmSm90):
 
         a_bytes = self.tile_m * self.tile_k * 2
         raw_bytes = self.tile_n * self.row_bytes
-        bf_bytes = 2 * self.tile_n * self.tile_k * 2  # the two converted BF16 buffers
+        bf_bytes = self.bf_buffers * self.tile_n * self.tile_k * 2  # the converted BF16 buffers
         epi_bytes = self.epi_tile[0] * self.epi_tile[1] * 2 * self.epi_stages + 1024 * 4 + 256
         if self.ab_stages_override is not None:
             self.ab_stages = self.ab_stages_override
         else:
             self.ab_stages = min(8, (self.smem_capacity - epi_bytes - bf_bytes) // (a_bytes + raw_bytes))
         self.a_smem_layout = sm90_utils.make_smem_layout_a(self.a_layout, self.mma_tiler, self.ab_dtype, self.ab_stages)
-        self.b_smem_layout = sm90_utils.make_smem_layout_b(self.b_layout, self.mma_tiler, self.ab_dtype, 2)
+        self.b_smem_layout = sm90_utils.make_smem_layout_b(
+            self.b_layout, self.mma_tiler, self.ab_dtype, self.bf_buffers
+        )
         # A stage's packed rows are one contiguous run of tile_n * row_bytes bytes in global memory:
         # TMA moves it as 256-byte box rows (the widest box dimension) rather than row_bytes ones.
         self.raw_rows = self.tile_n * self.row_bytes // RAW_BOX
@@ -334,7 +344,7 @@ class DequantGroupedGemmSm90(GroupedGemmSm90):
                 cute.arch.fence_proxy("async.shared", space="cta")
                 self._barrier()
                 for k in cutlass.range(k_tiles, unroll=1):
-                    buf = k & 1
+                    buf = k % self.bf_buffers
                     cur = self._ring_state(consumed + k)
                     warpgroup.fence()
                     if active:
@@ -347,16 +357,29 @@ class DequantGroupedGemmSm90(GroupedGemmSm90):
                                 acc,
                             )
                     warpgroup.commit_group()
-                    warpgroup.wait_group(1)
-                    self._barrier()  # every WGMMA k-1 is done: buffer 1-buf is free
-                    if k > 0:
-                        ab_pipe.consumer_release(self._ring_state(consumed + k - 1))
-                    if k + 1 < k_tiles:
-                        nxt = self._ring_state(consumed + k + 1)
-                        ab_pipe.consumer_wait(nxt)
-                        self._dequant_stage(raw_base, bf_base, nxt.index, 1 - buf, conv_offsets)
-                        cute.arch.fence_proxy("async.shared", space="cta")
-                        self._barrier()
+                    if cutlass.const_expr(self.bf_buffers == 2):
+                        warpgroup.wait_group(1)
+                        self._barrier()  # every WGMMA k-1 is done: the other buffer is free
+                        if k > 0:
+                            ab_pipe.consumer_release(self._ring_state(consumed + k - 1))
+                        if k + 1 < k_tiles:
+                            nxt = self._ring_state(consumed + k + 1)
+                            ab_pipe.consumer_wait(nxt)
+                            self._dequant_stage(raw_base, bf_base, nxt.index, 1 - buf, conv_offsets)
+                            cute.arch.fence_proxy("async.shared", space="cta")
+                            self._barrier()
+                    else:
+                        # Buffer (k+1) % 3 was read by WGMMA k-2: this warpgroup waited for it in the
+                        # previous K tile, the other one before the previous barrier.
+                        if k + 1 < k_tiles:
+                            nxt = self._ring_state(consumed + k + 1)
+                            ab_pipe.consumer_wait(nxt)
+                            self._dequant_stage(raw_base, bf_base, nxt.index, (k + 1) % 3, conv_offsets)
+                            cute.arch.fence_proxy("async.shared", space="cta")
+                        warpgroup.wait_group(1)  # WGMMA k-1 done: its ring stage is free
+                        if k > 0:
+                            ab_pipe.consumer_release(self._ring_state(consumed + k - 1))
+                        self._barrier()  # tile k+1 converted by everyone (and WGMMA k-1 done everywhere)
                 warpgroup.wait_group(0)
                 self._barrier()  # every WGMMA of the tile is done: the next tile may fill either buffer
                 ab_pipe.consumer_release(self._ring_state(consumed + k_tiles - 1))

@@ -46,6 +46,7 @@ class Sm90MegaMoEQuantKernel:
         use_pdl: bool = True,
         aux_vpt: int = 4,
         probe: int = 0,
+        bf_buffers: int = 3,
     ) -> None:
         if fmt not in constants.QUANT_FORMATS:
             raise ValueError(f"unknown format {fmt!r}")
@@ -73,9 +74,19 @@ class Sm90MegaMoEQuantKernel:
             requant=True,
             gscale_index=0,
             probe=probe,
+            bf_buffers=bf_buffers,
         )
         self.fc2 = DequantGroupedGemmSm90(
-            fmt, tile_m, fc2_tile_n, "plain", None, num_sms, fc2_stages, gscale_index=1, probe=probe
+            fmt,
+            tile_m,
+            fc2_tile_n,
+            "plain",
+            None,
+            num_sms,
+            fc2_stages,
+            gscale_index=1,
+            probe=probe,
+            bf_buffers=bf_buffers,
         )
 
     @staticmethod
