@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import torch
 
 from ...config import BootstrapConfig, FleetParams, MegaKernelConfig, MoEEpTensors, MoEWeightPack
+from ...core.reference_quant import QuantizedExpertWeights
 from ...core.validation import check_expert_weights
 from ...errors import MoEEpBackendUnavailableError, MoEEpConfigError, MoEEpInputError
 
@@ -106,6 +107,37 @@ class MegaKernelBackend(abc.ABC):
             dtype=dtype,
             device=self.device,
         )
+
+    def check_quantized_weights(self, weights: MoEWeightPack, fmt: str) -> QuantizedExpertWeights:
+        """For backends taking MXFP8 / NVFP4 packs: the scales are there (NVFP4: the global scales too),
+        then shapes, dtypes and device of every tensor (``QuantizedExpertWeights.check``)."""
+        c = self.config
+        missing = [n for n in ("w13_scale", "w2_scale") if getattr(weights, n) is None]
+        if fmt == "nvfp4":
+            missing += [n for n in ("w13_global_scale", "w2_global_scale") if getattr(weights, n) is None]
+        if missing:
+            raise MoEEpInputError(
+                f"{c.kernel_name} with {fmt} weights needs their scales; missing: "
+                f"{', '.join('weights.' + n for n in missing)} "
+                "(quantize BF16 weights with flashinfer.moe_ep.core.reference_quant.quantize_expert_weights)"
+            )
+        q = QuantizedExpertWeights(
+            fmt,
+            weights.w13,
+            weights.w13_scale,  # type: ignore[arg-type]
+            weights.w2,
+            weights.w2_scale,  # type: ignore[arg-type]
+            weights.w13_global_scale,
+            weights.w2_global_scale,
+        )
+        q.check(
+            num_local_experts=self.num_local_experts,
+            fc1_rows=c.fc1_rows,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            device=self.device,
+        )
+        return q
 
     def allocate_workspace(self) -> None:
         """Allocate buffers sized from ``FleetParams.max_tokens_per_rank`` (once)."""

@@ -71,32 +71,7 @@ class ReferenceMegaMoeBackend(MegaKernelBackend):
             self.check_unquantized_weights(weights, (torch.bfloat16, torch.float16, torch.float32))
             self.w13, self.w2 = weights.w13, weights.w2
             return
-        c = self.config
-        missing = [n for n in ("w13_scale", "w2_scale") if getattr(weights, n) is None]
-        if fmt == "nvfp4":
-            missing += [n for n in ("w13_global_scale", "w2_global_scale") if getattr(weights, n) is None]
-        if missing:
-            raise MoEEpInputError(
-                f"weight_format={fmt!r} needs quantized weights with their scales; missing: "
-                f"{', '.join('weights.' + n for n in missing)} "
-                "(quantize BF16 weights with core.reference_quant.quantize_expert_weights)"
-            )
-        q = QuantizedExpertWeights(
-            fmt,
-            weights.w13,
-            weights.w13_scale,  # type: ignore[arg-type]
-            weights.w2,
-            weights.w2_scale,  # type: ignore[arg-type]
-            weights.w13_global_scale,
-            weights.w2_global_scale,
-        )
-        q.check(
-            num_local_experts=self.num_local_experts,
-            fc1_rows=c.fc1_rows,
-            hidden_size=c.hidden_size,
-            intermediate_size=c.intermediate_size,
-            device=self.device,
-        )
+        q = self.check_quantized_weights(weights, fmt)
         self.w13, self.w2 = q.dequantize()  # also rejects NaN element codes and the UE8M0 NaN scale
         self.qweights = q
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from . import kernel_helpers as kh
-from .frontend import Geometry, KernelFrontend
+from .frontend import Geometry, KernelFrontend, check_glu_geometry
 
 
 @dataclass(frozen=True)
@@ -54,19 +54,7 @@ class Bf16Frontend(KernelFrontend):
 
     def check_glu_problem(self, local_experts: int) -> None:
         """Rules of every BF16 GLU kernel (world size 1 and EP): activation, sizes, N tiles."""
-        g, k, c = self.geometry, self.knobs, kh.constants
-        if g.activation not in c.ACTIVATIONS:
-            raise ValueError(f"activation {g.activation!r} is not served by the BF16 kernel")
-        if local_experts > c.MAX_EXPERTS:
-            raise ValueError(f"the BF16 kernel serves at most {c.MAX_EXPERTS} experts per rank, got {local_experts}")
-        if g.hidden % c.TILE_K or g.intermediate % c.TILE_K:
-            raise ValueError(f"the BF16 kernel needs hidden and intermediate sizes that are multiples of {c.TILE_K}")
-        fc1_n = 2 * g.intermediate if self.gated else g.intermediate
-        if fc1_n % k.fc1_tile_n or g.hidden % k.fc2_tile_n:
-            raise ValueError(
-                f"FC1 N={fc1_n} must be a multiple of fc1_tile_n={k.fc1_tile_n} and "
-                f"hidden={g.hidden} of fc2_tile_n={k.fc2_tile_n}"
-            )
+        check_glu_geometry(self.geometry, self.knobs.fc1_tile_n, self.knobs.fc2_tile_n, local_experts, "BF16")
 
     def check(self) -> None:
         k = self.knobs

@@ -148,6 +148,27 @@ class KernelFrontend(abc.ABC):
         return allocate_shared_workspace([self], max_tokens, device)[0]
 
 
+def check_glu_geometry(geometry: Geometry, fc1_tile_n: int, fc2_tile_n: int, local_experts: int, kernel: str) -> None:
+    """The rules every GLU MoE kernel of the drop shares (BF16, EP, block-scaled): a known activation,
+    at most ``MAX_EXPERTS`` experts per rank, H and I multiples of the K tile, N tiles that divide FC1's
+    rows and H. Raises ValueError naming ``kernel``."""
+    from . import kernel_helpers as kh  # constants only (no cutlass)
+
+    g, c = geometry, kh.constants
+    if g.activation not in c.ACTIVATIONS:
+        raise ValueError(f"activation {g.activation!r} is not served by the {kernel} kernel")
+    if local_experts > c.MAX_EXPERTS:
+        raise ValueError(f"the {kernel} kernel serves at most {c.MAX_EXPERTS} experts per rank, got {local_experts}")
+    if g.hidden % c.TILE_K or g.intermediate % c.TILE_K:
+        raise ValueError(f"the {kernel} kernel needs hidden and intermediate sizes that are multiples of {c.TILE_K}")
+    fc1_n = 2 * g.intermediate if g.activation in c.GATED_ACTIVATIONS else g.intermediate
+    if fc1_n % fc1_tile_n or g.hidden % fc2_tile_n:
+        raise ValueError(
+            f"FC1 N={fc1_n} must be a multiple of fc1_tile_n={fc1_tile_n} and "
+            f"hidden={g.hidden} of fc2_tile_n={fc2_tile_n}"
+        )
+
+
 def allocate_shared_workspace(
     frontends: list[KernelFrontend], max_tokens: int, device: torch.device
 ) -> list[dict[str, torch.Tensor]]:
@@ -180,6 +201,7 @@ __all__ = [
     "KernelFrontend",
     "KernelUnavailableError",
     "allocate_shared_workspace",
+    "check_glu_geometry",
     "dsl_available",
     "prepare_compile_env",
 ]

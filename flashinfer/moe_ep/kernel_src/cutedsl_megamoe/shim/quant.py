@@ -17,7 +17,7 @@ import torch
 
 from . import kernel_helpers as kh
 from .bf16 import widest_tile
-from .frontend import Geometry, KernelFrontend
+from .frontend import Geometry, KernelFrontend, check_glu_geometry
 
 
 @dataclass(frozen=True)
@@ -59,28 +59,13 @@ class QuantFrontend(KernelFrontend):
         return self.geometry.activation in kh.constants.GATED_ACTIVATIONS
 
     def check(self) -> None:
-        g, k, c = self.geometry, self.knobs, kh.constants
-        if g.activation not in c.ACTIVATIONS:
-            raise ValueError(f"activation {g.activation!r} is not served by the {self.fmt} kernel")
-        if g.num_experts > c.MAX_EXPERTS:
-            raise ValueError(f"the {self.fmt} kernel serves at most {c.MAX_EXPERTS} experts, got {g.num_experts}")
-        if g.hidden % c.TILE_K or g.intermediate % c.TILE_K:
-            raise ValueError(
-                f"the {self.fmt} kernel needs hidden and intermediate sizes that are multiples of {c.TILE_K}"
-            )
-        fc1_n = 2 * g.intermediate if self.gated else g.intermediate
-        if fc1_n % k.fc1_tile_n or g.hidden % k.fc2_tile_n:
-            raise ValueError(
-                f"FC1 N={fc1_n} must be a multiple of fc1_tile_n={k.fc1_tile_n} and "
-                f"hidden={g.hidden} of fc2_tile_n={k.fc2_tile_n}"
-            )
+        k = self.knobs
+        check_glu_geometry(self.geometry, k.fc1_tile_n, k.fc2_tile_n, self.geometry.num_experts, self.fmt)
         if k.tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128 for the {self.fmt} kernel, got {k.tile_m}")
         for n in (k.fc1_tile_n, k.fc2_tile_n):
             if n not in (64, 128, 256):
                 raise ValueError(f"N tiles must be 64, 128 or 256, got {n}")
-            if n * 8 % (128 * (1 if k.tile_m == 64 else 2)):
-                raise ValueError(f"tile_m={k.tile_m} needs N tiles of at least {16 * (1 if k.tile_m == 64 else 2)}")
 
     def _export(self, out_dir: Path, function_name: str) -> Path:
         g, k = self.geometry, self.knobs

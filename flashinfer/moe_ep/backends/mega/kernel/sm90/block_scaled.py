@@ -18,7 +18,7 @@ from .....config import MegaKernelConfig, MoEEpTensors, MoEWeightPack
 from .....core.reference_quant import QuantizedExpertWeights
 from .....errors import MoEEpBackendUnavailableError, MoEEpConfigError, MoEEpInputError
 from ...base import MegaKernelBackend
-from .runtime import sm90_requirements
+from .runtime import acquire_pooled_workspace, make_geometry, release_pooled_workspace, sm90_requirements
 
 _KNOB_FIELDS = ("tile_m", "fc1_tile_n", "fc2_tile_n", "fc1_stages", "fc2_stages", "num_sms")
 
@@ -98,31 +98,7 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
 
     def preprocess_weights(self, weights: MoEWeightPack) -> None:
         c = self.config
-        missing = [n for n in ("w13_scale", "w2_scale") if getattr(weights, n) is None]
-        if self.fmt == "nvfp4":
-            missing += [n for n in ("w13_global_scale", "w2_global_scale") if getattr(weights, n) is None]
-        if missing:
-            raise MoEEpInputError(
-                f"{c.kernel_name} needs {self.fmt} weights with their scales; missing: "
-                f"{', '.join('weights.' + n for n in missing)} "
-                "(quantize BF16 weights with flashinfer.moe_ep.core.reference_quant.quantize_expert_weights)"
-            )
-        q = QuantizedExpertWeights(
-            self.fmt,
-            weights.w13,
-            weights.w13_scale,  # type: ignore[arg-type]
-            weights.w2,
-            weights.w2_scale,  # type: ignore[arg-type]
-            weights.w13_global_scale,
-            weights.w2_global_scale,
-        )
-        q.check(
-            num_local_experts=self.num_local_experts,
-            fc1_rows=c.fc1_rows,
-            hidden_size=c.hidden_size,
-            intermediate_size=c.intermediate_size,
-            device=self.device,
-        )
+        q = self.check_quantized_weights(weights, self.fmt)
         _reject_nan_codes(q)
         self.weights = self.frontend.prepare_weights(
             q.w13, q.w13_scale, q.w2, q.w2_scale, q.w13_global_scale, q.w2_global_scale
@@ -131,23 +107,10 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
         self.act_gscale = torch.tensor(scales, dtype=torch.float32, device=self.device)
 
     def allocate_workspace(self) -> None:
-        """One workspace per (kernel variants, capacity, device), shared by every layer that matches
-        (the refcounted pool of the BF16 backend) and by both token buckets of the layer."""
-        from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import allocate_shared_workspace, comm
-
+        """The pooled workspace (``runtime.acquire_pooled_workspace``), shared by both token buckets."""
         frontends = list(dict.fromkeys(self.frontends.values()))
-        cap = self.fleet.max_tokens_per_rank
-        digests = tuple(fe.key.digest() for fe in frontends)
-        self._workspace_key = (digests, cap, str(self.device))
-
-        def make() -> dict[str, dict[str, torch.Tensor]]:
-            with torch.cuda.device(self.device):
-                views = allocate_shared_workspace(frontends, cap, self.device)
-            return dict(zip(digests, views, strict=True))
-
-        shared = comm.WORKSPACES.acquire(self._workspace_key, make)
-        by_frontend = {id(fe): shared[d] for fe, d in zip(frontends, digests, strict=True)}
-        self.workspace = {name: by_frontend[id(fe)] for name, fe in self.frontends.items()}
+        self._workspace_key, ws_of = acquire_pooled_workspace(frontends, self.fleet.max_tokens_per_rank, self.device)
+        self.workspace = {name: ws_of[id(fe)] for name, fe in self.frontends.items()}
 
     def _load(self, frontend: Any) -> None:
         from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import KernelUnavailableError
@@ -193,11 +156,9 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
         )
 
     def destroy(self) -> None:
-        from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import comm
-
         self.weights = None
         if self.workspace:
-            comm.WORKSPACES.release(self._workspace_key)
+            release_pooled_workspace(self._workspace_key)
         self.workspace = {}
 
 
@@ -238,14 +199,7 @@ def make_frontend(
     """The drop frontend of ``config`` (explicit knobs, or the defaults with ``overrides``)."""
     from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
 
-    geometry = drop.Geometry(
-        hidden=config.hidden_size,
-        intermediate=config.intermediate_size,
-        num_experts=num_local_experts,
-        top_k=config.top_k,
-        activation=config.activation,
-        activation_limit=config.activation_spec.effective_limit,
-    )
+    geometry = make_geometry(config, num_local_experts)
     knobs = None
     if config.knobs or overrides:
         base = drop.default_quant_knobs(geometry)

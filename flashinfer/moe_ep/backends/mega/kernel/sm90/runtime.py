@@ -1,8 +1,10 @@
-"""What every SM90 CuTe DSL backend needs at run time (checked without importing a drop)."""
+"""What every SM90 CuTe DSL backend shares: run-time requirements (checked without importing a drop),
+the drop geometry of a config, and workspaces from the refcounted pool."""
 
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import torch
 
@@ -22,4 +24,43 @@ def sm90_requirements(device: torch.device) -> list[str]:
     return missing
 
 
-__all__ = ["sm90_requirements"]
+def make_geometry(config: Any, num_local_experts: int) -> Any:
+    """The drop's ``Geometry`` of a backend config (the experts this rank's kernel serves)."""
+    from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
+
+    return drop.Geometry(
+        hidden=config.hidden_size,
+        intermediate=config.intermediate_size,
+        num_experts=num_local_experts,
+        top_k=config.top_k,
+        activation=config.activation,
+        activation_limit=config.activation_spec.effective_limit,
+    )
+
+
+def acquire_pooled_workspace(frontends: list[Any], capacity: int, device: torch.device) -> tuple[Any, dict[int, Any]]:
+    """One workspace per (kernel variants, capacity, device), shared by every layer that matches (the
+    drop's refcounted pool) and, inside a layer, by all ``frontends`` (its token buckets; each gets
+    views of its own shapes). Returns the pool key (release it in ``destroy``) and ``id(frontend)`` ->
+    its buffers."""
+    from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import allocate_shared_workspace, comm
+
+    digests = tuple(fe.key.digest() for fe in frontends)
+    key = (digests, capacity, str(device))
+
+    def make() -> dict[str, dict[str, torch.Tensor]]:
+        with torch.cuda.device(device):
+            views = allocate_shared_workspace(frontends, capacity, device)
+        return dict(zip(digests, views, strict=True))
+
+    shared = comm.WORKSPACES.acquire(key, make)
+    return key, {id(fe): shared[d] for fe, d in zip(frontends, digests, strict=True)}
+
+
+def release_pooled_workspace(key: Any) -> None:
+    from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import comm
+
+    comm.WORKSPACES.release(key)
+
+
+__all__ = ["acquire_pooled_workspace", "make_geometry", "release_pooled_workspace", "sm90_requirements"]

@@ -9,7 +9,7 @@ import torch
 from ......config import MoEEpTensors, MoEWeightPack
 from ......errors import MoEEpBackendUnavailableError, MoEEpConfigError
 from ....base import MegaKernelBackend
-from ..runtime import sm90_requirements
+from ..runtime import acquire_pooled_workspace, release_pooled_workspace, sm90_requirements
 from . import tuning
 from .config import Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig
 
@@ -69,22 +69,9 @@ class Sm90Bf16CutedslBackend(MegaKernelBackend):
             self._tune_weights = weights
 
     def allocate_workspace(self) -> None:
-        """One workspace per (kernel variants, capacity, device), shared by every layer that matches
-        and by every token bucket of the layer (each bucket gets views of its own shapes)."""
-        from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import allocate_shared_workspace, comm
-
-        cap = self.fleet.max_tokens_per_rank
+        """The pooled workspace (``runtime.acquire_pooled_workspace``) of every token bucket's kernel."""
         frontends = self.profiles.distinct()
-        digests = tuple(fe.key.digest() for fe in frontends)
-        self._workspace_key = (digests, cap, str(self.device))
-
-        def make() -> dict[str, dict[str, torch.Tensor]]:
-            with torch.cuda.device(self.device):
-                views = allocate_shared_workspace(frontends, cap, self.device)
-            return dict(zip(digests, views, strict=True))
-
-        shared = comm.WORKSPACES.acquire(self._workspace_key, make)
-        ws_of = {id(fe): shared[d] for fe, d in zip(frontends, digests, strict=True)}
+        self._workspace_key, ws_of = acquire_pooled_workspace(frontends, self.fleet.max_tokens_per_rank, self.device)
         self._by_bucket = {name: (fe, ws_of[id(fe)]) for name, fe in self.profiles.frontends.items()}
         self.workspace = ws_of[id(self.frontend)]
 
@@ -154,11 +141,9 @@ class Sm90Bf16CutedslBackend(MegaKernelBackend):
         )
 
     def destroy(self) -> None:
-        from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import comm
-
         self.w13 = self.w2 = None
         if self.workspace:
-            comm.WORKSPACES.release(self._workspace_key)
+            release_pooled_workspace(self._workspace_key)
         self.workspace = {}
         self._by_bucket = {}
 

@@ -19,6 +19,7 @@ import torch
 
 from ......core.inputs import make_hidden_states, make_topk
 from ......errors import MoEEpBackendUnavailableError, MoEEpConfigError
+from ..runtime import make_geometry
 from .config import Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig
 
 AUTO = "auto"
@@ -31,17 +32,6 @@ def _drop() -> Any:
     from flashinfer.moe_ep.kernel_src import cutedsl_megamoe
 
     return cutedsl_megamoe
-
-
-def make_geometry(config: Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig, num_local_experts: int) -> Any:
-    return _drop().Geometry(
-        hidden=config.hidden_size,
-        intermediate=config.intermediate_size,
-        num_experts=num_local_experts,
-        top_k=config.top_k,
-        activation=config.activation,
-        activation_limit=config.activation_spec.effective_limit,
-    )
 
 
 def tune_context(device: torch.device, world_size: int) -> Any:
