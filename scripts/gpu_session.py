@@ -27,7 +27,6 @@ os.environ.setdefault("FLASHINFER_MOE_EP_KNOB_CACHE", "off")  # defaults only, t
 
 def build_quant(cache: Path) -> None:
     """The MXFP8 / NVFP4 kernels of their GPU test and of the benchmark contracts."""
-    import flashinfer.moe_ep as moe
     from flashinfer.moe_ep.backends.mega.kernel.sm90.block_scaled import bucket_frontends
     from flashinfer.moe_ep.core.contracts import get_contract
     from tests.backends.mega.kernel.sm90.test_quant_gpu import CONFIG_CLS, GPU_VARIANTS
@@ -38,14 +37,12 @@ def build_quant(cache: Path) -> None:
             c = get_contract(name)
             variants.append((f"{fmt}-{name}", cls(c.hidden_size, c.intermediate_size, c.num_experts, c.top_k,
                                                   c.activation, c.activation_limit)))  # fmt: skip
-    names = {"mxfp8": "Mxfp8Frontend", "nvfp4": "Nvfp4Frontend"}
     for i, (name, cfg) in enumerate(variants, 1):
         t0 = time.perf_counter()
-        for fe in dict.fromkeys(bucket_frontends(cfg, cfg.num_experts, names[cfg.weight_format]).values()):
+        for fe in dict.fromkeys(bucket_frontends(cfg, cfg.num_experts).values()):
             lib = fe.build(cache)
             print(f"[{i}/{len(variants)}] {name} tile_m={fe.knobs.tile_m}: {lib.name} "
                   f"({time.perf_counter() - t0:.1f} s)", flush=True)  # fmt: skip
-    del moe
 
 
 def build(cache: Path, tune_contracts: bool = False, only: str | None = None) -> int:

@@ -7,6 +7,7 @@ import json
 import time
 from typing import Any
 
+from ..backends.mega.catalog import CATALOG, catalog_entry
 from ..backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl import tuning
 from ..backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl.config import Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig
 from ..core.activations import ACTIVATIONS
@@ -14,11 +15,8 @@ from ..core.contracts import CONTRACTS, get_contract
 from ..errors import MoEEpConfigError
 
 BF16 = "sm90_bf16_bf16_bf16_cutedsl"
-#: block-scaled backends: kernel name -> (config class path, drop frontend name)
-BLOCK_SCALED = {
-    "sm90_mxfp8_mxfp8_bf16_cutedsl": "Mxfp8Frontend",
-    "sm90_nvfp4_nvfp4_bf16_cutedsl": "Nvfp4Frontend",
-}
+#: the block-scaled kernel backends of the catalog
+BLOCK_SCALED = tuple(e.kernel_name for e in CATALOG if e.kernel_name.startswith("sm90_") and e.weight_format != "bf16")
 
 
 def add_parser(sub: Any) -> None:
@@ -77,7 +75,6 @@ def _configs(args: argparse.Namespace) -> list[tuple[str, Sm90_Bf16_Bf16_Bf16_Cu
 
 def _block_scaled_jobs(args: argparse.Namespace) -> list[tuple[str, object]]:
     """Every token bucket's kernel of the MXFP8 / NVFP4 backend for the requested shapes (world size 1)."""
-    from ..backends.mega.catalog import catalog_entry
     from ..backends.mega.kernel.sm90.block_scaled import bucket_frontends
 
     if args.world_size != 1:
@@ -87,7 +84,7 @@ def _block_scaled_jobs(args: argparse.Namespace) -> list[tuple[str, object]]:
     for name, bf16_cfg, e_local in _configs(args):
         c = bf16_cfg
         cfg = cls(c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit, c.knobs)
-        frontends = bucket_frontends(cfg, e_local, BLOCK_SCALED[args.backend])
+        frontends = bucket_frontends(cfg, e_local)
         for fe in dict.fromkeys(frontends.values()):
             buckets = [b for b, f in frontends.items() if f is fe]
             jobs.append((f"{name} {cfg.weight_format} [{'/'.join(buckets)}]", fe))

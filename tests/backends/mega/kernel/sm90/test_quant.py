@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flashinfer.moe_ep as moe
-from flashinfer.moe_ep.backends.mega.kernel.sm90.block_scaled import DECODE_MAX_TOKENS, bucket_frontends
+from flashinfer.moe_ep.backends.mega.kernel.sm90.block_scaled import DECODE_MAX_TOKENS, FRONTENDS, bucket_frontends
 from flashinfer.moe_ep.cli import main as cli_main
 from flashinfer.moe_ep.core.contracts import CONTRACTS
 from flashinfer.moe_ep.core.inputs import make_expert_weights
@@ -26,7 +26,6 @@ CONFIG = {
     "mxfp8": moe.Sm90_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig,
     "nvfp4": moe.Sm90_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig,
 }
-FRONTEND = {"mxfp8": "Mxfp8Frontend", "nvfp4": "Nvfp4Frontend"}
 
 
 def _emulate_kernel_dequant(packed: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -48,7 +47,7 @@ def test_packed_layout_dequantizes_exactly(fmt: str, activation: str) -> None:
     w13, w2 = make_expert_weights(3, 128, 64, activation, generator=torch.Generator().manual_seed(1))
     q = quantize_expert_weights(w13, w2, fmt)
     g = drop.Geometry(128, 64, 3, 2, activation, None)
-    fe = getattr(drop, FRONTEND[fmt])(
+    fe = getattr(drop, FRONTENDS[fmt])(
         g, drop.QuantKnobs(fc1_tile_n=128 if activation == "swiglu" else 64, fc2_tile_n=128)
     )
     pw = fe.prepare_weights(q.w13, q.w13_scale, q.w2, q.w2_scale, q.w13_global_scale, q.w2_global_scale)
@@ -88,18 +87,18 @@ def test_config_validation() -> None:
     assert cfg.weight_format == "nvfp4" and cfg.kernel_name == "sm90_nvfp4_nvfp4_bf16_cutedsl"
     for fmt in FORMATS:  # bad knobs are reported when the backend builds its frontends
         with pytest.raises(MoEEpConfigError, match="tile_m must be 64 or 128"):
-            bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 256}), 8, FRONTEND[fmt])
+            bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 256}), 8)
         with pytest.raises(MoEEpConfigError, match="fc2_tile_n"):
-            bucket_frontends(CONFIG[fmt](320, 128, 8, 2, knobs={"fc2_tile_n": 256}), 8, FRONTEND[fmt])
+            bucket_frontends(CONFIG[fmt](320, 128, 8, 2, knobs={"fc2_tile_n": 256}), 8)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_buckets_share_the_weight_layout_and_differ_in_tile_m(fmt: str) -> None:
-    fes = bucket_frontends(CONFIG[fmt](256, 128, 8, 2), 8, FRONTEND[fmt])
+    fes = bucket_frontends(CONFIG[fmt](256, 128, 8, 2), 8)
     assert fes["decode"].knobs.tile_m == 64 and fes["prefill"].knobs.tile_m == 128
     assert fes["decode"].knobs.fc1_tile_n == fes["prefill"].knobs.fc1_tile_n
     assert fes["decode"].key.digest() != fes["prefill"].key.digest()
-    explicit = bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 128}), 8, FRONTEND[fmt])
+    explicit = bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 128}), 8)
     assert explicit["decode"] is explicit["prefill"]
     assert DECODE_MAX_TOKENS == 128
 
@@ -137,6 +136,6 @@ def test_build_every_default_variant_for_sm90a(fmt: str, tmp_path: Path, capsys)
     assert len(keys) == 2 * len(CONTRACTS)  # decode and prefill of every contract
     for name, c in CONTRACTS.items():
         cfg = CONFIG[fmt](c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit)
-        for fe in bucket_frontends(cfg, c.num_experts, FRONTEND[fmt]).values():
+        for fe in bucket_frontends(cfg, c.num_experts).values():
             lib = kernel_cache.lookup(fe.key, tmp_path)
             assert lib is not None and b"__tvm_ffi_" in lib.read_bytes(), name

@@ -69,7 +69,6 @@ class Sm90Nvfp4ConfigFields(Sm90BlockScaledConfig):
 class Sm90BlockScaledBackend(MegaKernelBackend):
     """World size 1. Weights: ``MoEWeightPack`` in the layout of ``core.reference_quant``."""
 
-    frontend_name: ClassVar[str]  # the drop frontend class, e.g. "Mxfp8Frontend"
     hidden_alignment: ClassVar[int] = 64
     intermediate_alignment: ClassVar[int] = 64
 
@@ -86,7 +85,7 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
             )
         # One frontend per token bucket (same weight layout: only tile_m differs), chosen per forward
         # from the host-side T; one workspace serves both.
-        self.frontends = bucket_frontends(self.config, self.num_local_experts, self.frontend_name)
+        self.frontends = bucket_frontends(self.config, self.num_local_experts)
         self.frontend = self.frontends[PREFILL]  # the weight layout
         self.weights: Any = None
         self.workspace: dict[str, torch.Tensor] = {}
@@ -184,19 +183,21 @@ DECODE_MAX_TOKENS = 128
 DECODE_OVERRIDES = {"tile_m": 64}
 
 
-def bucket_frontends(config: Sm90BlockScaledConfig, num_local_experts: int, frontend_name: str) -> dict[str, Any]:
+#: the drop frontend of each weight format
+FRONTENDS = {"mxfp8": "Mxfp8Frontend", "nvfp4": "Nvfp4Frontend"}
+
+
+def bucket_frontends(config: Sm90BlockScaledConfig, num_local_experts: int) -> dict[str, Any]:
     """``{"decode": ..., "prefill": ...}``: explicit knobs serve every T with one frontend."""
-    prefill = make_frontend(config, num_local_experts, frontend_name)
+    prefill = make_frontend(config, num_local_experts)
     if config.knobs:
         return {DECODE: prefill, PREFILL: prefill}
-    decode = make_frontend(config, num_local_experts, frontend_name, DECODE_OVERRIDES)
+    decode = make_frontend(config, num_local_experts, DECODE_OVERRIDES)
     return {DECODE: decode, PREFILL: prefill}
 
 
-def make_frontend(
-    config: Sm90BlockScaledConfig, num_local_experts: int, frontend_name: str, overrides: dict | None = None
-) -> Any:
-    """The drop frontend of ``config`` (explicit knobs, or the defaults with ``overrides``)."""
+def make_frontend(config: Sm90BlockScaledConfig, num_local_experts: int, overrides: dict | None = None) -> Any:
+    """The drop frontend of ``config``'s weight format (explicit knobs, or the defaults with ``overrides``)."""
     from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
 
     geometry = make_geometry(config, num_local_experts)
@@ -204,7 +205,7 @@ def make_frontend(
     if config.knobs or overrides:
         base = drop.default_quant_knobs(geometry)
         knobs = drop.QuantKnobs(**{**base.__dict__, **(config.knobs or overrides)})
-    frontend = getattr(drop, frontend_name)(geometry, knobs)
+    frontend = getattr(drop, FRONTENDS[config.weight_format])(geometry, knobs)
     try:
         frontend.check()
     except ValueError as exc:
@@ -214,6 +215,7 @@ def make_frontend(
 
 __all__ = [
     "DECODE_MAX_TOKENS",
+    "FRONTENDS",
     "Sm90BlockScaledBackend",
     "Sm90BlockScaledConfig",
     "Sm90Nvfp4ConfigFields",

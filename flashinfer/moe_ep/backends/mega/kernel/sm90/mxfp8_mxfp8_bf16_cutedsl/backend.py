@@ -1,4 +1,4 @@
-"""The SM90 mxfp8 backend: the shared block-scaled backend with its drop frontend."""
+"""The SM90 mxfp8 backend: the shared block-scaled backend (the format comes from the config)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from .config import Sm90_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig
 
 class Sm90Mxfp8CutedslBackend(Sm90BlockScaledBackend):
     config_cls = Sm90_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig
-    frontend_name = "Mxfp8Frontend"
 
 
 __all__ = ["Sm90Mxfp8CutedslBackend"]

@@ -1,4 +1,4 @@
-"""The SM90 nvfp4 backend: the shared block-scaled backend with its drop frontend."""
+"""The SM90 nvfp4 backend: the shared block-scaled backend (the format comes from the config)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from .config import Sm90_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig
 
 class Sm90Nvfp4CutedslBackend(Sm90BlockScaledBackend):
     config_cls = Sm90_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig
-    frontend_name = "Nvfp4Frontend"
 
 
 __all__ = ["Sm90Nvfp4CutedslBackend"]
