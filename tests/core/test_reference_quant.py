@@ -216,3 +216,22 @@ def test_bad_arguments() -> None:
     bad = QuantizedExpertWeights("mxfp8", m.w13, m.w13_scale[..., :1].contiguous(), m.w2, m.w2_scale)
     with pytest.raises(MoEEpInputError, match="w13_scale must have shape"):
         bad.dequantize()
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_nan_codes_are_rejected_without_dequantizing(fmt: str) -> None:
+    w13, w2 = make_expert_weights(2, 64, 32, "swiglu", generator=torch.Generator().manual_seed(3))
+    q = quantize_expert_weights(w13, w2, fmt)
+    q.reject_nan_codes()  # a clean pack passes
+    bad = q.w2_scale.clone()
+    bad.view(torch.uint8)[1, 0, 0] = 255 if fmt == "mxfp8" else 0x7F
+    q.w2_scale = bad
+    with pytest.raises(MoEEpInputError, match="weights.w2_scale contains"):
+        q.reject_nan_codes()
+    with pytest.raises(MoEEpInputError):
+        q.dequantize()  # the same rule as the torch dequantization
+    if fmt == "mxfp8":
+        q = quantize_expert_weights(w13, w2, fmt)
+        q.w13.view(torch.uint8)[0, 0, 0] = 0xFF
+        with pytest.raises(MoEEpInputError, match="weights.w13 contains an E4M3 NaN code"):
+            q.reject_nan_codes()

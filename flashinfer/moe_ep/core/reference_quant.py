@@ -151,6 +151,20 @@ class QuantizedExpertWeights:
             if not bool((torch.isfinite(gs) & (gs > 0)).all()):
                 raise MoEEpInputError(f"{p}.{name} must be finite and > 0")
 
+    def reject_nan_codes(self) -> None:
+        """Raise on the NaN encodings (UE8M0 scale byte 255, E4M3 codes 0x7F / 0xFF) that
+        ``dequantize`` rejects too: for consumers (kernels) that never dequantize in torch."""
+        if self.fmt == "mxfp8":
+            for name in ("w13_scale", "w2_scale"):
+                if bool((getattr(self, name) == 255).any()):
+                    raise MoEEpInputError(f"weights.{name} contains 255 (the UE8M0 NaN encoding)")
+            e4m3 = ("w13", "w2")  # elements; NVFP4: the block scales
+        else:
+            e4m3 = ("w13_scale", "w2_scale")
+        for name in e4m3:
+            if bool(((getattr(self, name).view(torch.uint8) & 0x7F) == 0x7F).any()):
+                raise MoEEpInputError(f"weights.{name} contains an E4M3 NaN code (0x7F / 0xFF)")
+
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(w13, w2)`` in fp32 (exact: every dequantized value is representable in fp32)."""
         self.check()

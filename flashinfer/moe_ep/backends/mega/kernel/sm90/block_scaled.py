@@ -15,7 +15,6 @@ from typing import Any, ClassVar
 import torch
 
 from .....config import MegaKernelConfig, MoEEpTensors, MoEWeightPack
-from .....core.reference_quant import QuantizedExpertWeights
 from .....errors import MoEEpBackendUnavailableError, MoEEpConfigError, MoEEpInputError
 from ...base import MegaKernelBackend
 from .runtime import acquire_pooled_workspace, make_geometry, release_pooled_workspace, sm90_requirements
@@ -98,7 +97,7 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
     def preprocess_weights(self, weights: MoEWeightPack) -> None:
         c = self.config
         q = self.check_quantized_weights(weights, self.fmt)
-        _reject_nan_codes(q)
+        q.reject_nan_codes()  # the kernel would turn NaN codes into numbers
         self.weights = self.frontend.prepare_weights(
             q.w13, q.w13_scale, q.w2, q.w2_scale, q.w13_global_scale, q.w2_global_scale
         )
@@ -159,21 +158,6 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
         if self.workspace:
             release_pooled_workspace(self._workspace_key)
         self.workspace = {}
-
-
-def _reject_nan_codes(q: QuantizedExpertWeights) -> None:
-    """The kernel would turn NaN codes into numbers: reject them as the reference's dequantize does."""
-    if q.fmt == "mxfp8":
-        for name in ("w13_scale", "w2_scale"):
-            if bool((getattr(q, name) == 255).any()):
-                raise MoEEpInputError(f"weights.{name} contains 255 (the UE8M0 NaN encoding)")
-        for name in ("w13", "w2"):
-            if bool(((getattr(q, name).view(torch.uint8) & 0x7F) == 0x7F).any()):
-                raise MoEEpInputError(f"weights.{name} contains an E4M3 NaN code (0x7F / 0xFF)")
-    else:
-        for name in ("w13_scale", "w2_scale"):
-            if bool(((getattr(q, name).view(torch.uint8) & 0x7F) == 0x7F).any()):
-                raise MoEEpInputError(f"weights.{name} contains an E4M3 NaN code (0x7F / 0xFF)")
 
 
 DECODE, PREFILL = "decode", "prefill"
