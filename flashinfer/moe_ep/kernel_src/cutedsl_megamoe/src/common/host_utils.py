@@ -20,10 +20,9 @@ def round_up(x: int, m: int) -> int:
 
 def max_rows(max_tokens: int, top_k: int, num_experts: int, tile_m: int, cluster_m: int = 1) -> int:
     """Rows of the permuted buffers: every pair plus the padding of each non-empty expert (to a
-    multiple of tile_m * cluster_m)."""
+    multiple of tile_m), the block count rounded up to a multiple of cluster_m."""
     pairs = max(1, max_tokens) * top_k
-    pad = tile_m * cluster_m
-    return round_up(pairs + min(num_experts, pairs) * (pad - 1), pad)
+    return round_up(pairs + min(num_experts, pairs) * (tile_m - 1), tile_m * cluster_m)
 
 
 def moe_bf16_workspace_spec(

@@ -34,7 +34,7 @@ def route_kernel(
     meta: cute.Tensor,  # (META_LEN,) int32 out
     num_experts: cutlass.Constexpr[int],
     tile_m: cutlass.Constexpr[int],
-    pad_m: cutlass.Constexpr[int],
+    block_multiple: cutlass.Constexpr[int],
 ):
     """Routing in one launch (grid G1, ROUTING_THREADS threads).
 
@@ -84,7 +84,7 @@ def route_kernel(
     cute.arch.sync_threads()
     if s_flag[0] == nblk - 1:
         cute.arch.fence_acq_rel_gpu()
-        _scan_experts(expert_count, expert_off, m_block_expert, meta, s_hist, num_experts, tile_m, pad_m)
+        _scan_experts(expert_count, expert_off, m_block_expert, meta, s_hist, num_experts, tile_m, block_multiple)
 
 
 def chunk_size(num_pairs, num_ctas):
@@ -101,9 +101,14 @@ def _scan_experts(
     s_scan: cute.Tensor,
     num_experts: cutlass.Constexpr[int],
     tile_m: cutlass.Constexpr[int],
-    pad_m: cutlass.Constexpr[int],
+    block_multiple: cutlass.Constexpr[int],
 ):
-    """Padded exclusive scan over the experts (one per thread) by the last routing CTA."""
+    """Padded exclusive scan over the experts (one per thread) by the last routing CTA.
+
+    With ``block_multiple = 2`` (GEMM clusters of two M blocks) an odd block count gets one
+    phantom block after the last: expert 0, no real rows, so a cluster's second CTA reads a
+    defined entry and skips its MMAs.
+    """
     nthr = constants.ROUTING_THREADS
     tid, _, _ = cute.arch.thread_idx()
     cnt = cutlass.Int32(0)
@@ -112,8 +117,8 @@ def _scan_experts(
         expert_count[tid] = cutlass.Int32(0)
     if tid == 0:
         expert_count[num_experts] = cutlass.Int32(0)
-    # Segments padded to pad_m = tile_m * cluster_m: a GEMM cluster's M blocks share one expert.
-    padded = (cnt + (pad_m - 1)) // pad_m * pad_m
+    # Segments padded to tile_m: a GEMM M tile never straddles two experts.
+    padded = (cnt + (tile_m - 1)) // tile_m * tile_m
     # Inclusive scan: warp shuffles, then the 32 warp totals by warp 0.
     lane = tid % 32
     warp = tid // 32
@@ -146,8 +151,12 @@ def _scan_experts(
             valid = cutlass.min(cutlass.max(cnt - (b - first) * tile_m, 0), tile_m)
             m_block_expert[b] = tid | (valid << 16)
     if tid == nthr - 1:
-        meta[META_NUM_M_BLOCKS] = incl // tile_m
+        num_blocks = incl // tile_m
+        meta[META_NUM_M_BLOCKS] = num_blocks
         meta[META_NUM_ROWS] = incl
+        if cutlass.const_expr(block_multiple > 1):
+            for b in cutlass.range(num_blocks, (num_blocks + block_multiple - 1) // block_multiple * block_multiple):
+                m_block_expert[b] = cutlass.Int32(0)
 
 
 @cute.kernel

@@ -12,6 +12,10 @@ C[rows of M block b] = A[rows of b] @ B[expert(b)].T for every M block b of the 
   tile index ``tile = b * n_tiles + n`` with a grid stride. A consumer warpgroup whose 64 rows are
   all expert padding skips its MMAs (it still walks the pipeline) and, with the direct epilogue,
   its stores.
+- ``cluster_m = 2``: the two CTAs of a cluster take M blocks ``2g`` and ``2g + 1``. When both
+  belong to one expert they share each B tile (each CTA loads half and multicasts it to both);
+  otherwise (an expert boundary, or the phantom block the routing appends to an odd count) each
+  CTA loads its own whole B tile. Experts are padded to ``tile_m`` only, not ``2 * tile_m``.
 - PDL: the prologue (barrier init, descriptor prefetch) runs before ``griddepcontrol.wait``.
 
 Warp roles: warpgroup 0 is the producer (warp 0 issues TMA loads into a multi-stage mbarrier
@@ -61,9 +65,9 @@ class GroupedGemmSm90:
             raise ValueError(f"cluster_m must be 1 or 2 and divide num_sms, got {cluster_m}")
         self.tile_m = tile_m
         self.tile_n = tile_n
-        # Cluster of cluster_m CTAs along M: consecutive M blocks of one expert (the routing pads
-        # experts to tile_m * cluster_m rows) share each B tile, loaded once by TMA multicast
-        # (each CTA loads 1/cluster_m of it for all), halving weight traffic from L2/HBM.
+        # Cluster of cluster_m CTAs along M: a pair of M blocks of one expert shares each B tile,
+        # loaded once by TMA multicast (each CTA loads 1/cluster_m of it for both), halving weight
+        # traffic from L2/HBM; a pair that straddles two experts loads both tiles unshared.
         self.cluster_m = cluster_m
         self.tile_k = constants.TILE_K
         self.epilogue = epilogue
@@ -131,13 +135,17 @@ class GroupedGemmSm90:
             raise ValueError("output tile width must be a multiple of 32")
 
         ab_bytes = (self.tile_m + self.tile_n) * self.tile_k * self.ab_dtype.width // 8
-        epi_bytes = self.epi_tile[0] * self.epi_tile[1] * self.c_dtype.width // 8 * self.epi_stages
-        # Barriers and the 1 KiB alignment of each of the three buffers.
-        epi_bytes += 1024 * 3 + 256
+        epi_stage_bytes = self.epi_tile[0] * self.epi_tile[1] * self.c_dtype.width // 8
+        # The barriers sit in the first 1 KiB (the buffers are 1 KiB aligned and sized); 1 KiB slack.
+        budget = self.smem_capacity - 2048
         if self.ab_stages_override is not None:
             self.ab_stages = self.ab_stages_override
         else:
-            self.ab_stages = min(8, (self.smem_capacity - epi_bytes) // ab_bytes)
+            self.ab_stages = min(8, (budget - epi_stage_bytes * self.epi_stages) // ab_bytes)
+        if not self.epi_direct:
+            # Leftover shared memory deepens the TMA-store ring (up to 4 sub-tiles in flight), so
+            # the epilogue rarely waits for an older store to drain before reusing a buffer.
+            self.epi_stages = max(self.epi_stages, min(4, (budget - self.ab_stages * ab_bytes) // epi_stage_bytes))
         self.a_smem_layout = sm90_utils.make_smem_layout_a(self.a_layout, self.mma_tiler, self.ab_dtype, self.ab_stages)
         self.b_smem_layout = sm90_utils.make_smem_layout_b(self.b_layout, self.mma_tiler, self.ab_dtype, self.ab_stages)
         self.epi_smem_layout = sm90_utils.make_smem_layout_epi(
@@ -236,12 +244,13 @@ class GroupedGemmSm90:
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
 
-        # Cluster along M: a stage's B buffer is filled by both CTAs' multicasts, so it is free only
-        # once the consumers of both CTAs released it (each consumer warp arrives in both CTAs).
+        # Cluster along M: a stage's B buffer may be filled by both CTAs' multicasts, so it is free
+        # only once the consumers of both CTAs released it (each consumer warp arrives in both CTAs).
         cta_layout_mnk = cute.make_layout((self.cluster_m, 1, 1))
         cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         cluster_coord = cta_layout_mnk.get_flat_coord(cta_rank)
         b_mcast_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=0)
+        b_self_mask = cutlass.Int16(1) << cta_rank
         producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread)
         consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.cluster_m * self.num_mma_wg * 4)
         ab_pipe = pipeline.PipelineTmaAsync.create(
@@ -275,6 +284,14 @@ class GroupedGemmSm90:
             cute.group_modes(sB, 0, 2),
             cute.group_modes(gB, 0, 2),
         )
+        # The partner CTA's slice of each B tile: loaded here too when the two blocks' experts differ.
+        tBsB_other, tBgB_other = cpasync.tma_partition(
+            tma_b,
+            (cluster_coord[0] + 1) % self.cluster_m,
+            cute.make_layout(self.cluster_m),
+            cute.group_modes(sB, 0, 2),
+            cute.group_modes(gB, 0, 2),
+        )
 
         k_tiles = cute.size(gA, mode=[3])
         n_tiles = cute.size(gB, mode=[2])
@@ -283,8 +300,9 @@ class GroupedGemmSm90:
         # PDL: the prologue above overlapped the previous kernel; its outputs are read below.
         cute.arch.griddepcontrol_launch_dependents()
         cute.arch.griddepcontrol_wait()
-        # Cluster tiles: (group of cluster_m M blocks, n); this CTA takes block cluster_m*g + rank.
-        num_tiles = meta[0] // self.cluster_m * n_tiles
+        # Cluster tiles: (group of cluster_m M blocks, n); this CTA takes block cluster_m*g + rank
+        # (an odd block count ends with a phantom block: no real rows, see the routing scan).
+        num_tiles = (meta[0] + self.cluster_m - 1) // self.cluster_m * n_tiles
         first_tile = bidx // self.cluster_m
         tile_stride = grid_x // self.cluster_m
 
@@ -299,6 +317,11 @@ class GroupedGemmSm90:
                     n_blk = tile - grp * n_tiles
                     m_blk = grp * self.cluster_m + cluster_coord[0]
                     expert = m_block_expert[m_blk] & 0xFFFF
+                    # Both CTAs derive the same answer from the same two entries.
+                    share_b = cutlass.Boolean(False)
+                    if cutlass.const_expr(self.cluster_m > 1):
+                        partner = grp * self.cluster_m + (cluster_coord[0] + 1) % self.cluster_m
+                        share_b = (m_block_expert[partner] & 0xFFFF) == expert
                     for k in cutlass.range(k_tiles, unroll=1):
                         ab_pipe.producer_acquire(prod_state)
                         bar = ab_pipe.producer_get_barrier(prod_state)
@@ -308,13 +331,37 @@ class GroupedGemmSm90:
                             tAsA[(None, prod_state.index)],
                             tma_bar_ptr=bar,
                         )
-                        cute.copy(
-                            tma_b,
-                            tBgB[(None, n_blk, k, expert)],
-                            tBsB[(None, prod_state.index)],
-                            tma_bar_ptr=bar,
-                            mcast_mask=b_mcast_mask if self.cluster_m > 1 else 0,
-                        )
+                        if cutlass.const_expr(self.cluster_m == 1):
+                            cute.copy(
+                                tma_b,
+                                tBgB[(None, n_blk, k, expert)],
+                                tBsB[(None, prod_state.index)],
+                                tma_bar_ptr=bar,
+                            )
+                        else:
+                            if share_b:
+                                cute.copy(
+                                    tma_b,
+                                    tBgB[(None, n_blk, k, expert)],
+                                    tBsB[(None, prod_state.index)],
+                                    tma_bar_ptr=bar,
+                                    mcast_mask=b_mcast_mask,
+                                )
+                            else:
+                                cute.copy(
+                                    tma_b,
+                                    tBgB[(None, n_blk, k, expert)],
+                                    tBsB[(None, prod_state.index)],
+                                    tma_bar_ptr=bar,
+                                    mcast_mask=b_self_mask,
+                                )
+                                cute.copy(
+                                    tma_b,
+                                    tBgB_other[(None, n_blk, k, expert)],
+                                    tBsB_other[(None, prod_state.index)],
+                                    tma_bar_ptr=bar,
+                                    mcast_mask=b_self_mask,
+                                )
                         ab_pipe.producer_commit(prod_state)
                         prod_state.advance()
                     tile += tile_stride

@@ -40,7 +40,8 @@ class Sm90MegaMoEBf16Kernel:
     :param aux_vpt: 16-byte vectors per thread item in the gather and combine kernels (H must be
         a multiple of 8 * aux_vpt).
     :param cluster_m: 1, or 2 for clusters of 2 CTAs along M sharing each weight tile through TMA
-        multicast (experts then padded to 2 * tile_m rows; pass the same value to the workspace spec).
+        multicast when their two M blocks belong to one expert (pass the same value to the
+        workspace spec: the block count is rounded up to a multiple of it).
     :param stage_mask: debugging/profiling only: bit i enables stage i (routing, gather, FC1,
         FC2, combine); anything but 0b11111 gives wrong results (and masking out routing leaves
         ``expert_count`` non-zero).
@@ -119,7 +120,7 @@ class Sm90MegaMoEBf16Kernel:
                 meta,
                 num_experts,
                 self.tile_m,
-                self.tile_m * self.cluster_m,
+                self.cluster_m,
             ).launch(
                 grid=[self.num_sms, 1, 1],
                 block=[constants.ROUTING_THREADS, 1, 1],
