@@ -34,7 +34,7 @@ MODELS = {
     "deepseek-v3": dict(H=7168, I=2048, E=256, K=8),
 }
 CHECK_TOKENS = [0, 1, 7, 128, 1000, 8192]
-PERF_TOKENS = [1, 128, 4096, 16384]
+PERF_TOKENS = [1, 128, 1024, 4096, 16384]
 MAX_TOKENS = 16384
 
 
@@ -115,10 +115,10 @@ def variants() -> list[dict]:
         )
         out.append(
             dict(
-                name=f"{model}_m256",
+                name=f"{model}_m64c2",
                 role="perf",
                 model=model,
-                kw=dict(activation="swiglu", tile_m=256, fc1_tile_n=128, fc2_tile_n=128),
+                kw=dict(activation="swiglu", tile_m=64, fc1_tile_n=256, fc2_tile_n=256, cluster_m=2),
                 **dims,
             )
         )
@@ -143,6 +143,20 @@ def variants() -> list[dict]:
         out.append(
             dict(name=f"x_{tag}", role="explore", model="qwen3-30b-a3b", kw=dict(activation="swiglu", **kw), **q)
         )
+    # deepseek-v3, where the peer is still ahead (T = 128 and 4096): N tiles and clusters around the defaults
+    ds = MODELS["deepseek-v3"]
+    explore_ds = {
+        "c2_f2n128": dict(tile_m=128, fc1_tile_n=256, fc2_tile_n=128, cluster_m=2),
+        "c2_f1n128": dict(tile_m=128, fc1_tile_n=128, fc2_tile_n=256, cluster_m=2),
+        "dec_f1n256": dict(tile_m=64, fc1_tile_n=256, fc2_tile_n=128),
+        "dec_f2n64": dict(tile_m=64, fc1_tile_n=128, fc2_tile_n=64),
+        "dec_f2n256": dict(tile_m=64, fc1_tile_n=128, fc2_tile_n=256),
+        "dec_c2": dict(tile_m=64, fc1_tile_n=128, fc2_tile_n=128, cluster_m=2),
+    }
+    for tag, kw in explore_ds.items():
+        out.append(
+            dict(name=f"ds_{tag}", role="explore", model="deepseek-v3", kw=dict(activation="swiglu", **kw), **ds)
+        )
     for v in out:
         v.setdefault("model", None)
         v["act"] = v["kw"]["activation"]
@@ -164,13 +178,19 @@ def build(only: str | None) -> None:
     for v in variants():
         if only and only not in v["name"]:
             continue
+        if v["role"] == "explore" and not (only and only in v["name"]):  # explore variants only on request
+            continue
         t0 = time.time()
         k = kmod.Sm90MegaMoEBf16Kernel(**v["kw"])
         lib = emod.export_moe_bf16(k, v["H"], v["I"], v["E"], v["K"], KCACHE, v["name"].replace("-", "_"))
         v = dict(v, lib=str(lib.relative_to(REPO)), fn=v["name"].replace("-", "_"))
         manifest.append(v)
         print(f"built {v['name']:28s} {time.time() - t0:5.1f}s {lib.stat().st_size // 1024} KiB")
-    (KCACHE / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    path = KCACHE / "manifest.json"
+    if only and path.is_file():  # a filtered build adds to (or replaces entries of) the manifest
+        built = {v["name"] for v in manifest}
+        manifest = [v for v in json.loads(path.read_text()) if v["name"] not in built] + manifest
+    path.write_text(json.dumps(manifest, indent=1))
 
 
 # ------------------------------------------------------------------------------------ GPU side
@@ -197,6 +217,8 @@ def gpu_main(phase: str, only: str | None) -> int:
             self.load_ms = (time.time() - t0) * 1e3
             self.gated = v["act"] != "relu2"
             self.ws = {}
+            if v.get("legacy_pad"):  # an older drop's cluster_m=2 library padded experts to 2 * tile_m rows
+                max_tokens += v["E"] * v["tile_m"] // v["K"] + 1
             specs = hmod.moe_bf16_workspace_spec(
                 max_tokens, v["H"], v["I"], v["E"], v["K"], v["tile_m"], cluster_m=v["kw"].get("cluster_m", 1)
             )
@@ -445,12 +467,16 @@ def gpu_main(phase: str, only: str | None) -> int:
         return res
 
     if phase in ("explore", "all"):
-        print("== explore (qwen3-30b-a3b) ==", flush=True)
-        names = ["qwen3-30b-a3b_main", "qwen3-30b-a3b_dec"] + [v["name"] for v in manifest if v["role"] == "explore"]
-        res = time_libs("qwen3-30b-a3b", names, with_base=False)
-        print("\n variant                      " + "".join(f"T={t:<9d}" for t in PERF_TOKENS))
-        for n in names + [n + "@graph" for n in names]:
-            print(f" {n:28s} " + "".join(f"{res.get((n, t), float('nan')):<11.4f}" for t in PERF_TOKENS))
+        for model in MODELS:
+            xs = [v["name"] for v in manifest if v["role"] == "explore" and v["model"] == model]
+            if not xs or (only and only not in model):
+                continue
+            print(f"== explore ({model}) ==", flush=True)
+            names = [f"{model}_main", f"{model}_c2", f"{model}_dec", *xs]
+            res = time_libs(model, names, with_base=False)
+            print("\n variant                      " + "".join(f"T={t:<9d}" for t in PERF_TOKENS))
+            for n in names + [n + "@graph" for n in names]:
+                print(f" {n:28s} " + "".join(f"{res.get((n, t), float('nan')):<11.4f}" for t in PERF_TOKENS))
 
     if phase == "profile":  # run under ncu: a few calls of two libraries, kernels timed by ncu
         for name, t in (("qwen3-30b-a3b_c2", 4096), ("deepseek-v3_c2", 16384)):
@@ -472,10 +498,12 @@ def gpu_main(phase: str, only: str | None) -> int:
         for model, dims in MODELS.items():
             if only and only not in model:
                 continue
-            res = time_libs(model, [f"{model}_{n}" for n in ("main", "c2", "m256", "dec")], with_base=True)
+            names = [f"{model}_{n}" for n in ("main", "c2", "m64c2", "dec")]
+            extra = [v["name"] for v in manifest if v["role"] == "compare" and v["model"] == model]
+            res = time_libs(model, names + extra, with_base=True)
             torch.cuda.empty_cache()
             for t in PERF_TOKENS:
-                a, c2, m, b = (res[(f"{model}_{n}", t)] for n in ("main", "c2", "m256", "dec"))
+                a, c2, m, b = (res[(f"{model}_{n}", t)] for n in ("main", "c2", "m64c2", "dec"))
                 c = res[("torch", t)]
                 gb = res.get((f"{model}_dec@graph", t), float("nan"))
                 best = min(a, c2, m, b)
@@ -485,7 +513,7 @@ def gpu_main(phase: str, only: str | None) -> int:
                     (model, t, a, c2, m, b, gb, c, flops / (best * 1e-3) / 1e12, c / best, wbytes / 4.26e12 * 1e3)
                 )
         print(
-            "\n model            T   main_ms   c2_ms   m256_ms  dec_ms  dec@graph torch_ms "
+            "\n model            T   main_ms   c2_ms  m64c2_ms  dec_ms  dec@graph torch_ms "
             "best_TFLOP/s x_vs_torch floor_ms(4.26TB/s)"
         )
         for mo, t, a, c2, m, b, gb, c, tf, r, fl in rows:

@@ -134,11 +134,14 @@ def test_defaults_are_the_declared_profiles() -> None:
     assert "TUNING.md" in tuner.BF16_PROFILES_SOURCE
     assert set(tuner.BF16_PROFILES) == {b.name for b in tuner.TOKEN_BUCKETS}
     for g in _geometries():
-        assert tuner.default_knobs(g, 512) == tuner.default_knobs(g, 4096) == drop.default_bf16_knobs(g)
-        decode = tuner.default_knobs(g, 1)
-        assert tuner.is_valid(g, decode)[0]
-        if decode != drop.default_bf16_knobs(g):  # the decode overrides where they divide the problem
-            assert dataclasses.replace(drop.default_bf16_knobs(g), **tuner.BF16_PROFILES["decode"]) == decode
+        base = drop.default_bf16_knobs(g)
+        assert tuner.default_knobs(g, 512) == base  # mid: the base defaults
+        for t, bucket in ((1, "decode"), (4096, "prefill")):
+            knobs = tuner.default_knobs(g, t)
+            assert tuner.is_valid(g, knobs)[0]
+            if knobs != base:  # the bucket's overrides where they divide the problem
+                assert dataclasses.replace(base, **tuner.BF16_PROFILES[bucket]) == knobs
+        assert tuner.default_knobs(g, 4096).cluster_m == 2
 
 
 def test_resolve_takes_an_exact_cache_hit_else_the_defaults(tmp_path: Path) -> None:

@@ -16,8 +16,8 @@ from .frontend import Geometry, KernelFrontend, check_glu_geometry
 class Bf16Knobs:
     """Compile-time knobs of the BF16 kernel (all output-neutral: tiles, stages, grid, clusters).
 
-    ``cluster_m=2`` pairs two CTAs on consecutive M tiles of one expert so they share each weight tile
-    (TMA multicast); it pads expert segments to ``tile_m * cluster_m`` rows.
+    ``cluster_m=2`` pairs two CTAs on consecutive M tiles; when both tiles belong to one expert they
+    share each weight tile (TMA multicast), otherwise each loads its own.
     """
 
     tile_m: int = 128

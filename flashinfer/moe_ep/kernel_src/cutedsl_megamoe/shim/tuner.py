@@ -106,7 +106,7 @@ BF16_KNOBS: tuple[KnobSpec, ...] = (
     KnobSpec("tile_m", PERFORMANCE, (64, 128, 256), (64, 128), row_tile=True,
              why="rows per M tile; each expert's rows pad to it (the workspace depends on it)"),
     KnobSpec("cluster_m", PERFORMANCE, (1, 2), (1, 2),
-             why="CTAs per cluster along M sharing each weight tile (helped deepseek-v3 prefill on the H200)"),
+             why="CTAs per cluster along M sharing each weight tile within an expert (prefill default)"),
     KnobSpec("fc2_tile_n", PERFORMANCE, _TILE_N, (64, 128, 256), why="FC2 N tile over H"),
     # None = as many stages as shared memory allows; an explicit depth can overflow shared memory,
     # which only the compiler detects, so candidates keep None and explicit depths are for hand tuning.
@@ -119,12 +119,20 @@ BF16_KNOBS: tuple[KnobSpec, ...] = (
 
 
 # -- per-bucket default profiles ----------------------------------------------------------------------
-#: Bucket -> overrides of ``default_bf16_knobs`` (128-row M tiles, widest N tiles), from the H200 sweep
-#: of 2026-11-29 in TUNING.md: 64-row M tiles with 128-wide FC2 tiles won at T <= 128 on all three
-#: bench contracts; 128/256/256 won at T >= 4096 on qwen3 (deepseek-v3 preferred cluster_m=2 at
-#: T=16384, left to autotune since it slows qwen3). ``mid`` was not measured: base defaults.
-BF16_PROFILES: dict[str, dict[str, Any]] = {"decode": {"tile_m": 64, "fc2_tile_n": 128}, "mid": {}, "prefill": {}}
-BF16_PROFILES_SOURCE = "H200 sweep 2026-11-29 (TUNING.md): decode = tile_m 64 / fc2_tile_n 128; mid, prefill = defaults"
+#: Bucket -> overrides of ``default_bf16_knobs`` (128-row M tiles, widest N tiles), from the H200
+#: sweeps in TUNING.md: 64-row M tiles with 128-wide FC2 tiles won at T <= 128 on all three bench
+#: contracts; at T >= 4096 clusters of two CTAs sharing weight tiles (drop v4: no extra padding) won on
+#: five of six points (deepseek-v3 16384: 21.7 vs 29.0 ms; qwen3-30b-a3b 16384 lost 4 %); ``mid``
+#: keeps the base defaults (cluster_m=2 was even or slower at T = 1024).
+BF16_PROFILES: dict[str, dict[str, Any]] = {
+    "decode": {"tile_m": 64, "fc2_tile_n": 128},
+    "mid": {},
+    "prefill": {"cluster_m": 2},
+}
+BF16_PROFILES_SOURCE = (
+    "H200 sweeps 2026-11-29 (TUNING.md): decode = tile_m 64 / fc2_tile_n 128; mid = defaults; "
+    "prefill = cluster_m 2 (drop v4)"
+)
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,10 @@ def test_defaults_per_bucket_follow_the_measured_profiles(tmp_path: Path, knobs)
     p = tuning.layer_profiles(_config(knobs), 128, 4096, CTX, cache_path=tmp_path / "k.json")
     assert [b.name for b in p.buckets] == ["decode", "mid", "prefill"]
     assert set(p.sources.values()) == {"defaults"}
-    assert len(p.distinct()) == 2  # the decode profile, and the defaults for mid and prefill
-    decode, prefill = p.frontends["decode"].knobs, p.frontends["prefill"].knobs
+    assert len(p.distinct()) == 3  # decode, mid (the base defaults) and prefill profiles
+    decode, mid, prefill = (p.frontends[b].knobs for b in ("decode", "mid", "prefill"))
     assert (decode.tile_m, decode.fc2_tile_n) == (64, 128) and (prefill.tile_m, prefill.fc2_tile_n) == (128, 256)
+    assert (mid.cluster_m, prefill.cluster_m) == (1, 2)
     assert decode.fc1_tile_n == prefill.fc1_tile_n  # one weight layout per layer
     assert p.primary is p.frontends["prefill"]
     small = tuning.layer_profiles(_config(knobs), 128, 32, CTX, cache_path=tmp_path / "k.json")
