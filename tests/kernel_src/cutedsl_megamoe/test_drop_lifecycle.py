@@ -102,6 +102,24 @@ def test_file_edited_in_place_fails_the_manifest(tmp_path: Path) -> None:
     ]
 
 
+def test_kernel_keys_follow_the_drop_files_not_only_the_version(tmp_path: Path) -> None:
+    """An edit of src/ that is not (yet) recorded as a new drop keeps the version string, but must not
+    reuse a library compiled from the old files: the kernel key carries the digest of the files."""
+    from flashinfer.moe_ep.kernel_src.cutedsl_megamoe.shim.vendor import source_digest
+
+    src = tmp_path / "src"
+    shutil.copytree(SRC, src, ignore=shutil.ignore_patterns("__pycache__"))
+    before = source_digest(src)
+    assert before == source_digest(SRC)  # same files, same digest
+    with open(src / "moe_bf16_glu" / "grouped_gemm.py", "a") as f:
+        f.write("# a kernel tweak\n")
+    source_digest.cache_clear()
+    assert source_digest(src) != before
+    fe = drop.Bf16Frontend(drop.Geometry(512, 256, 16, 4, "swiglu", None))
+    key = fe.key.as_dict()
+    assert key["drop_digest"] == source_digest(SRC) and key["drop_version"] == drop.read_vendor().version
+
+
 def test_update_copies_kernel_packages_only(tmp_path: Path) -> None:
     compute_manifest, read_vendor = drop.vendor.compute_manifest, drop.read_vendor
 

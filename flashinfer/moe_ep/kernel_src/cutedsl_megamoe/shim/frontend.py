@@ -22,7 +22,7 @@ import torch
 
 from . import kernel_cache
 from .kernel_cache import KernelKey
-from .vendor import read_vendor
+from .vendor import read_vendor, source_digest
 
 ARCH = "sm_90a"
 _DTYPES = {"int32": torch.int32, "bfloat16": torch.bfloat16, "float32": torch.float32, "uint8": torch.uint8}
@@ -83,7 +83,8 @@ class KernelFrontend(abc.ABC):
     # -- shared -------------------------------------------------------------------------------------
     @functools.cached_property
     def key(self) -> KernelKey:
-        """The cache key (computed once: geometry and knobs are frozen, VENDOR.md is read once here)."""
+        """The cache key (computed once: geometry and knobs are frozen; VENDOR.md and the drop's files are
+        read once here)."""
         record = read_vendor()
         knobs = asdict(self.knobs) if hasattr(self.knobs, "__dataclass_fields__") else dict(self.knobs)
         return KernelKey(
@@ -93,6 +94,7 @@ class KernelFrontend(abc.ABC):
             arch=self.arch,
             geometry=asdict(self.geometry),
             knobs=knobs,
+            drop_digest=source_digest(),
         )
 
     def build(self, root: Path | None = None, *, force: bool = False) -> Path:

@@ -31,7 +31,8 @@ def cache_root() -> Path:
 
 @dataclass(frozen=True)
 class KernelKey:
-    """Identity of one compiled variant. ``geometry`` and ``knobs`` are flat str -> scalar mappings."""
+    """Identity of one compiled variant. ``geometry`` and ``knobs`` are flat str -> scalar mappings;
+    ``drop_digest`` is the digest of the drop's source files (``vendor.source_digest``)."""
 
     kernel: str
     drop_version: str
@@ -39,11 +40,13 @@ class KernelKey:
     arch: str
     geometry: Mapping[str, Any] = field(default_factory=dict)
     knobs: Mapping[str, Any] = field(default_factory=dict)
+    drop_digest: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "kernel": self.kernel,
             "drop_version": self.drop_version,
+            "drop_digest": self.drop_digest,
             "dsl_version": self.dsl_version,
             "arch": self.arch,
             "geometry": dict(sorted(self.geometry.items())),

@@ -7,6 +7,7 @@ recorded new drop (``scripts/update_drop.py``).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from dataclasses import dataclass, field
@@ -56,6 +57,15 @@ def compute_manifest(src_dir: Path = SRC_DIR) -> dict[str, str]:
             continue
         out[p.relative_to(src_dir).as_posix()] = hashlib.sha256(p.read_bytes()).hexdigest()
     return out
+
+
+@functools.lru_cache(maxsize=4)
+def source_digest(src_dir: Path = SRC_DIR) -> str:
+    """Digest of the drop's files as they are on disk (computed once per process). Kernel cache keys
+    carry it next to the recorded version, so an edit of ``src/`` never reuses a library compiled from
+    the old code, even before the edit is recorded as a new drop."""
+    blob = "\n".join(f"{sha}  {path}" for path, sha in sorted(compute_manifest(src_dir).items()))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def read_vendor(path: Path = VENDOR_FILE) -> VendorRecord:
