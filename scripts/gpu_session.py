@@ -111,7 +111,7 @@ OWN_PROCESS = (
 BENCH_BACKENDS = ["sm90_bf16_bf16_bf16_cutedsl", "sm90_mxfp8_mxfp8_bf16_cutedsl", "sm90_nvfp4_nvfp4_bf16_cutedsl"]
 
 
-def run(cache: Path, bench_tokens: list[str], out: Path, skip_tests: bool) -> int:
+def run(cache: Path, bench_tokens: list[str], out: Path, skip_tests: bool, skip_bench: bool = False) -> int:
     env = {**os.environ, "FLASHINFER_MOE_EP_KERNEL_CACHE": str(cache)}
     status = 0
     if not skip_tests:
@@ -121,6 +121,8 @@ def run(cache: Path, bench_tokens: list[str], out: Path, skip_tests: bool) -> in
             r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", *args], env=env, cwd=ROOT)
             print(f"gpu tests {' '.join(args[:1])}: exit {r.returncode} ({time.perf_counter() - t0:.0f} s)", flush=True)
             status = status or r.returncode
+    if skip_bench:
+        return status
     cmd = [sys.executable, "-m", "flashinfer.moe_ep", "bench", "--contract", *BENCH_CONTRACTS,
            "--tokens", *bench_tokens, "--backend", *BENCH_BACKENDS, "--out", str(out)]  # fmt: skip
     r = subprocess.run(cmd, env=env, cwd=ROOT)
@@ -134,6 +136,7 @@ def main() -> int:
     p.add_argument("--bench-tokens", nargs="+", default=["1", "128", "4096", "16384"])
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "bench-out")))
     p.add_argument("--skip-tests", action="store_true")
+    p.add_argument("--skip-bench", action="store_true")
     p.add_argument(
         "--tune-contracts", action="store_true", help="build: also every autotune candidate of the bench contracts"
     )
@@ -141,7 +144,7 @@ def main() -> int:
     a = p.parse_args()
     if a.what == "build":
         return build(a.cache, a.tune_contracts, a.only)
-    return run(a.cache, a.bench_tokens, a.out, a.skip_tests)
+    return run(a.cache, a.bench_tokens, a.out, a.skip_tests, a.skip_bench)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -87,6 +88,12 @@ def _quantized_pack(w13: torch.Tensor, w2: torch.Tensor, fmt: str) -> tuple[Any,
 def _check_fits(c: Any, fmt: str) -> bool:
     """The quantized reference dequantizes every weight to fp32: skip it when that exceeds 16 GB."""
     return fmt == "bf16" or c.num_experts * c.weight_bytes_per_expert() * 2 <= 16e9
+
+
+def _describe_errors(row: dict[str, Any]) -> str:
+    if math.isnan(row["mean_err"]):  # T = 0, --no-check, or a quantized reference too large to build
+        return "error not checked"
+    return f"err mean {row['mean_err']:.1e} max {row['max_err']:.1e}"
 
 
 def bench_contract(
@@ -206,8 +213,7 @@ def bench_contract(
             print(
                 f"  {name} {entry.kernel_name} T={t}: {ours:.3f} ms ({row['tflops']:.0f} TFLOP/s, "
                 f"{row['pct_floor']:.0f}% of floor), baseline {base:.3f} ms, x{row['speedup']:.2f}, "
-                f"x{row['vs_first']:.2f} vs {entries[0].kernel_name}, err mean {row['mean_err']:.1e} "
-                f"max {row['max_err']:.1e}",
+                f"x{row['vs_first']:.2f} vs {entries[0].kernel_name}, " + _describe_errors(row),
                 flush=True,
             )
         layer.destroy()
@@ -277,7 +283,8 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"{r['contract']:<16} {r['backend']:<30} {r['tokens']:>6} {r['ms']:>8.3f} {r['tflops']:>8.0f} "
             f"{r['weight_gbs']:>8.0f} {r['pct_floor']:>6.0f}% {r['baseline_ms']:>8.3f} {r['speedup']:>6.2f} "
-            f"{r['vs_first']:>6.2f} {r['mean_err']:>8.1e} {r['max_err']:>8.1e}"
+            f"{r['vs_first']:>6.2f} "
+            + (f"{'-':>8} {'-':>8}" if math.isnan(r["mean_err"]) else f"{r['mean_err']:>8.1e} {r['max_err']:>8.1e}")
         )
     sys.stdout.flush()
     return 0

@@ -15,9 +15,16 @@ from typing import Any, ClassVar
 import torch
 
 from .....config import MegaKernelConfig, MoEEpTensors, MoEWeightPack
-from .....errors import MoEEpBackendUnavailableError, MoEEpConfigError, MoEEpInputError
+from .....errors import MoEEpConfigError, MoEEpInputError
 from ...base import MegaKernelBackend
-from .runtime import acquire_pooled_workspace, make_geometry, release_pooled_workspace, sm90_requirements
+from .runtime import (
+    acquire_pooled_workspace,
+    load_kernel,
+    make_geometry,
+    release_pooled_workspace,
+    sm90_requirements,
+    warmup_forward,
+)
 
 _KNOB_FIELDS = ("tile_m", "fc1_tile_n", "fc2_tile_n", "fc1_stages", "fc2_stages", "num_sms")
 
@@ -110,25 +117,10 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
         self._workspace_key, ws_of = acquire_pooled_workspace(frontends, self.fleet.max_tokens_per_rank, self.device)
         self.workspace = {name: ws_of[id(fe)] for name, fe in self.frontends.items()}
 
-    def _load(self, frontend: Any) -> None:
-        from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import KernelUnavailableError
-
-        try:
-            frontend.load()
-        except KernelUnavailableError as exc:
-            raise MoEEpBackendUnavailableError(str(exc)) from None
-
     def warmup(self) -> None:
         for fe in self.frontends.values():
-            self._load(fe)
-        c = self.config
-        t = min(8, self.fleet.max_tokens_per_rank)
-        x = torch.randn(t, c.hidden_size, device=self.device).to(torch.bfloat16)
-        ids = torch.stack([torch.randperm(c.num_experts, device=self.device)[: c.top_k] for _ in range(t)]).int()
-        w = torch.rand(t, c.top_k, device=self.device)
-        out = torch.empty(t, c.hidden_size, dtype=torch.bfloat16, device=self.device)
-        self.compute(MoEEpTensors(x, ids, w), out)
-        torch.cuda.synchronize(self.device)
+            load_kernel(fe)
+        warmup_forward(self)
 
     def compute(self, staged: MoEEpTensors, output: torch.Tensor) -> torch.Tensor:
         if staged.scales is not None:
@@ -141,7 +133,7 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
             return output
         bucket = DECODE if t <= DECODE_MAX_TOKENS else PREFILL  # a host-side shape: no device sync
         frontend = self.frontends[bucket]
-        self._load(frontend)
+        load_kernel(frontend)
         assert self.act_gscale is not None
         return frontend.launch(
             staged.hidden_states,

@@ -1,5 +1,6 @@
 """What every SM90 CuTe DSL backend shares: run-time requirements (checked without importing a drop),
-the drop geometry of a config, and workspaces from the refcounted pool."""
+the drop geometry of a config, workspaces from the refcounted pool, loading a kernel and the warm-up
+forward."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import importlib.util
 from typing import Any
 
 import torch
+
+from .....config import MoEEpTensors
+from .....errors import MoEEpBackendUnavailableError
 
 
 def sm90_requirements(device: torch.device) -> list[str]:
@@ -63,4 +67,35 @@ def release_pooled_workspace(key: Any) -> None:
     comm.WORKSPACES.release(key)
 
 
-__all__ = ["acquire_pooled_workspace", "make_geometry", "release_pooled_workspace", "sm90_requirements"]
+def load_kernel(frontend: Any) -> None:
+    """Load ``frontend``'s kernel library (kernel cache, else compile); a missing kernel is the
+    backend being unavailable, with the drop's message (it names the build command)."""
+    from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import KernelUnavailableError
+
+    try:
+        frontend.load()
+    except KernelUnavailableError as exc:
+        raise MoEEpBackendUnavailableError(str(exc)) from None
+
+
+def warmup_forward(backend: Any) -> None:
+    """One small forward on random inputs (every lazily created CUDA resource exists afterwards, so
+    a CUDA graph can be captured next), then a device synchronize."""
+    c, device = backend.config, backend.device
+    t = min(8, backend.fleet.max_tokens_per_rank)
+    x = torch.randn(t, c.hidden_size, device=device).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(c.num_experts, device=device)[: c.top_k] for _ in range(t)]).int()
+    w = torch.rand(t, c.top_k, device=device)
+    out = torch.empty(t, c.hidden_size, dtype=torch.bfloat16, device=device)
+    backend.compute(MoEEpTensors(x, ids, w), out)
+    torch.cuda.synchronize(device)
+
+
+__all__ = [
+    "acquire_pooled_workspace",
+    "load_kernel",
+    "make_geometry",
+    "release_pooled_workspace",
+    "sm90_requirements",
+    "warmup_forward",
+]

@@ -7,9 +7,15 @@ from typing import Any, ClassVar
 import torch
 
 from ......config import MoEEpTensors, MoEWeightPack
-from ......errors import MoEEpBackendUnavailableError, MoEEpConfigError
+from ......errors import MoEEpConfigError
 from ....base import MegaKernelBackend
-from ..runtime import acquire_pooled_workspace, release_pooled_workspace, sm90_requirements
+from ..runtime import (
+    acquire_pooled_workspace,
+    load_kernel,
+    release_pooled_workspace,
+    sm90_requirements,
+    warmup_forward,
+)
 from . import tuning
 from .config import Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig
 
@@ -75,14 +81,6 @@ class Sm90Bf16CutedslBackend(MegaKernelBackend):
         self._by_bucket = {name: (fe, ws_of[id(fe)]) for name, fe in self.profiles.frontends.items()}
         self.workspace = ws_of[id(self.frontend)]
 
-    def _load(self, frontend: Any = None) -> None:
-        from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import KernelUnavailableError
-
-        try:
-            (frontend or self.frontend).load()
-        except KernelUnavailableError as exc:
-            raise MoEEpBackendUnavailableError(str(exc)) from None
-
     def _autotune(self) -> None:
         """knobs="auto": tune every bucket, record the winners, re-lay weights and workspace."""
         c, weights = self.config, self._tune_weights
@@ -118,15 +116,8 @@ class Sm90Bf16CutedslBackend(MegaKernelBackend):
         if self._tune_weights is not None:
             self._autotune()
         for fe in self.profiles.distinct():
-            self._load(fe)
-        c = self.config
-        t = min(8, self.fleet.max_tokens_per_rank)
-        x = torch.randn(t, c.hidden_size, device=self.device).to(torch.bfloat16)
-        ids = torch.stack([torch.randperm(c.num_experts, device=self.device)[: c.top_k] for _ in range(t)]).int()
-        w = torch.rand(t, c.top_k, device=self.device)
-        out = torch.empty(t, c.hidden_size, dtype=torch.bfloat16, device=self.device)
-        self.compute(MoEEpTensors(x, ids, w), out)
-        torch.cuda.synchronize(self.device)
+            load_kernel(fe)
+        warmup_forward(self)
 
     def compute(self, staged: MoEEpTensors, output: torch.Tensor) -> torch.Tensor:
         t = staged.hidden_states.shape[0]
@@ -135,7 +126,7 @@ class Sm90Bf16CutedslBackend(MegaKernelBackend):
         from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import tuner
 
         frontend, workspace = self._by_bucket[tuner.bucket_of(t)]  # a host-side shape: no device sync
-        self._load(frontend)
+        load_kernel(frontend)
         return frontend.launch(
             staged.hidden_states, staged.topk_ids, staged.topk_weights, self.w13, self.w2, output, workspace
         )

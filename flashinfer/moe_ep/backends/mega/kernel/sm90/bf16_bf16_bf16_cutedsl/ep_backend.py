@@ -16,6 +16,7 @@ import torch
 
 from ......config import MoEEpTensors, MoEWeightPack
 from ......errors import MoEEpConfigError, MoEEpTransportError
+from ..runtime import load_kernel
 from . import tuning
 from .backend import Sm90Bf16CutedslBackend
 
@@ -84,7 +85,7 @@ class Sm90Bf16EpBackend(Sm90Bf16CutedslBackend):
 
     def warmup(self) -> None:
         """Loads the kernel only: a forward is collective, so it cannot run one rank alone here."""
-        self._load()
+        load_kernel(self.frontend)
 
     def _raise_if_aborted(self, wait: bool) -> None:
         hit = self.state.poll_abort(wait)
@@ -122,7 +123,7 @@ class Sm90Bf16EpBackend(Sm90Bf16CutedslBackend):
 
     def compute(self, staged: MoEEpTensors, output: torch.Tensor) -> torch.Tensor:
         self._raise_if_aborted(wait=False)  # a finished earlier forward that aborted (no sync)
-        self._load()
+        load_kernel(self.frontend)
         timeout_ns = int(self.bootstrap.transport_timeout_s * 1e9)
         # T = 0 still launches: the rank must publish zero counts and take part in every signal.
         return self.state.launch(
