@@ -479,7 +479,7 @@ def gpu_main(phase: str, only: str | None) -> int:
                 print(f" {n:28s} " + "".join(f"{res.get((n, t), float('nan')):<11.4f}" for t in PERF_TOKENS))
 
     if phase == "profile":  # run under ncu: a few calls of two libraries, kernels timed by ncu
-        for name, t in (("qwen3-30b-a3b_c2", 4096), ("deepseek-v3_c2", 16384)):
+        for name, t in (("qwen3-30b-a3b_dec", 1), ("deepseek-v3_dec", 128), ("deepseek-v3_c2", 4096)):
             v = next(v for v in manifest if v["name"] == name)
             lib = Lib(v, t)
             w13, w2 = make_weights(v, seed=3)

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 BENCH_CONTRACTS = ["qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3"]
 BENCH_MAX_TOKENS = 16384  # the bench layer's capacity (its largest T)
-TUNE_TOKENS = [64, 512, 4096]  # one T per token bucket for `tune --max-tokens`
+TUNE_TOKENS = [256, 1024, 4096]  # one T per token bucket for `tune --max-tokens` (the buckets' tune sizes)
 os.environ.setdefault("FLASHINFER_MOE_EP_KNOB_CACHE", "off")  # defaults only, the same here and there
 
 
@@ -80,7 +80,9 @@ def build(cache: Path, tune_contracts: bool = False, only: str | None = None) ->
         print(f"autotune candidates of {label}: {len(seen)} kernels", flush=True)
 
     prebuild_candidates(
-        moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(**AUTO_GEOMETRY), [64, AUTO_MAX_TOKENS], "the tuning test"
+        moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(**AUTO_GEOMETRY),
+        [drop.tuner.tune_tokens(b, AUTO_MAX_TOKENS) for b in drop.tuner.buckets_for(AUTO_MAX_TOKENS)],
+        "the tuning test",
     )
     if tune_contracts:
         for name in BENCH_CONTRACTS:

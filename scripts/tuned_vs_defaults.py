@@ -26,7 +26,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--knob-cache", type=Path, required=True)
     p.add_argument("--contract", nargs="+", default=["qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3"])
-    p.add_argument("--tokens", type=int, nargs="+", default=[64, 512, 4096])
+    p.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 4096])
     p.add_argument("--iters", type=int, default=40)
     p.add_argument("--sets", type=int, default=4)
     a = p.parse_args()

@@ -49,6 +49,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--iters", type=int, default=20, help="timed launches per size")
     p.add_argument("--out", default="bench-out", help="directory for CSV and plot")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check per size")
+    p.add_argument(
+        "--graph-max-tokens",
+        type=int,
+        default=128,
+        help="also time the layer replayed from CUDA graphs (one per input set, as engines run decode) up "
+        "to this T; 0 = never",
+    )
     p.set_defaults(func=run)
 
 
@@ -66,6 +73,21 @@ def _time_ms(fn: Any, iters: int, sets: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def _graph_time_ms(fn: Any, iters: int, sets: int) -> float:
+    """Like ``_time_ms`` for ``fn`` captured into one CUDA graph per input set and replayed (no host
+    launch overhead inside the timed region); warm-up eager calls first, as a layer needs."""
+    for i in range(sets):
+        fn(i)
+    torch.cuda.synchronize()
+    graphs = []
+    for i in range(sets):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn(i)
+        graphs.append(g)
+    return _time_ms(lambda i: graphs[i].replay(), iters, sets)
 
 
 def measure_ceilings() -> dict[str, float]:
@@ -105,6 +127,7 @@ def bench_contract(
     iters: int,
     check: bool,
     ceilings: dict[str, float],
+    graph_max_tokens: int = 0,
 ) -> list[dict[str, Any]]:
     """Every backend of ``entries`` on the same inputs, one after the other (one layer alive at a time);
     the ``torch._grouped_mm`` baseline once per T. Quantized backends get the BF16 weights quantized
@@ -173,6 +196,7 @@ def bench_contract(
                 )
 
             ours = _time_ms(ours_fn, iters, sets)
+            graph_ms = _graph_time_ms(ours_fn, iters, sets) if 0 < t <= graph_max_tokens else float("nan")
             if t not in base_ms:
                 base_ms[t] = _time_ms(base_fn, iters, sets)
             base = base_ms[t]
@@ -186,6 +210,7 @@ def bench_contract(
                 "backend": entry.kernel_name,
                 "tokens": t,
                 "ms": ours,
+                "graph_ms": graph_ms,
                 "baseline_ms": base,
                 "tflops": flops / ours / 1e9,
                 "weight_gbs": weight_bytes / ours / 1e6,
@@ -211,7 +236,9 @@ def bench_contract(
                 row["mean_err"], row["max_err"] = relative_errors(outs[0], ref)
             rows.append(row)
             print(
-                f"  {name} {entry.kernel_name} T={t}: {ours:.3f} ms ({row['tflops']:.0f} TFLOP/s, "
+                f"  {name} {entry.kernel_name} T={t}: {ours:.3f} ms"
+                + ("" if math.isnan(graph_ms) else f" (CUDA graph {graph_ms:.3f} ms)")
+                + f" ({row['tflops']:.0f} TFLOP/s, "
                 f"{row['pct_floor']:.0f}% of floor), baseline {base:.3f} ms, x{row['speedup']:.2f}, "
                 f"x{row['vs_first']:.2f} vs {entries[0].kernel_name}, " + _describe_errors(row),
                 flush=True,
@@ -266,7 +293,9 @@ def run(args: argparse.Namespace) -> int:
     )
     rows = []
     for name in args.contract:
-        rows += bench_contract(name, args.tokens, entries, knobs, args.sets, args.iters, not args.no_check, ceilings)
+        rows += bench_contract(
+            name, args.tokens, entries, knobs, args.sets, args.iters, not args.no_check, ceilings, args.graph_max_tokens
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "bench.csv", "w", newline="") as f:
@@ -276,12 +305,15 @@ def run(args: argparse.Namespace) -> int:
     plotted = _plot(rows, out / "bench.png")
     print(f"\nwrote {out / 'bench.csv'}" + (f" and {out / 'bench.png'}" if plotted else " (no matplotlib: no plot)"))
     print(
-        f"\n{'contract':<16} {'backend':<30} {'T':>6} {'ms':>8} {'TFLOP/s':>8} {'GB/s w':>8} {'%floor':>7} "
+        f"\n{'contract':<16} {'backend':<30} {'T':>6} {'ms':>8} {'graph ms':>8} {'TFLOP/s':>8} {'GB/s w':>8} "
+        f"{'%floor':>7} "
         f"{'base ms':>8} {'x base':>6} {'x 1st':>6} {'mean err':>8} {'max err':>8}"
     )
     for r in rows:
         print(
-            f"{r['contract']:<16} {r['backend']:<30} {r['tokens']:>6} {r['ms']:>8.3f} {r['tflops']:>8.0f} "
+            f"{r['contract']:<16} {r['backend']:<30} {r['tokens']:>6} {r['ms']:>8.3f} "
+            + (f"{'-':>8}" if math.isnan(r["graph_ms"]) else f"{r['graph_ms']:>8.3f}")
+            + f" {r['tflops']:>8.0f} "
             f"{r['weight_gbs']:>8.0f} {r['pct_floor']:>6.0f}% {r['baseline_ms']:>8.3f} {r['speedup']:>6.2f} "
             f"{r['vs_first']:>6.2f} "
             + (f"{'-':>8} {'-':>8}" if math.isnan(r["mean_err"]) else f"{r['mean_err']:>8.1e} {r['max_err']:>8.1e}")

@@ -1,7 +1,7 @@
 """``tune``: autotune a kernel backend offline, record the winners in the knob cache, build them into
 the kernel cache (a server then starts with ``knobs=None`` without compiling or tuning).
 
-One rank: ``python -m flashinfer.moe_ep tune --contract qwen3-30b-a3b --max-tokens 8 512 4096``.
+One rank: ``python -m flashinfer.moe_ep tune --contract qwen3-30b-a3b --max-tokens 256 1024 4096``.
 
 World size > 1 (torchrun) is refused for now: the expert-parallel layer runs its own kernel (a draft
 without a tuning surface) and reads no knob-cache entry, so winners tuned on per-rank world-1 kernels
@@ -34,7 +34,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--backend", default=Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig.kernel_name, choices=sorted(TUNABLE))
     p.add_argument("--contract", nargs="+", required=True, help=f"contracts, or 'all' ({', '.join(CONTRACTS)})")
     p.add_argument(
-        "--max-tokens", type=int, nargs="+", default=[8, 512, 4096], help="T to tune at, at most one per token bucket"
+        "--max-tokens",
+        type=int,
+        nargs="+",
+        default=[256, 1024, 4096],
+        help="T to tune at, at most one per token bucket",
     )
     p.add_argument("--allow-nondeterministic", action="store_true", help="also try nondeterministic knob values")
     p.add_argument("--iters", type=int, default=20, help="timed launches per candidate")

@@ -109,7 +109,7 @@ def test_nondeterministic_values_only_when_allowed(monkeypatch) -> None:
 
 @pytest.mark.parametrize(
     "tokens, bucket",
-    [(0, "decode"), (1, "decode"), (128, "decode"), (129, "mid"), (2047, "mid"), (2048, "prefill"), (10**6, "prefill")],
+    [(0, "decode"), (1, "decode"), (768, "decode"), (769, "mid"), (2047, "mid"), (2048, "prefill"), (10**6, "prefill")],
 )
 def test_bucket_boundaries(tokens: int, bucket: str) -> None:
     assert tuner.bucket_of(tokens) == bucket
@@ -117,10 +117,10 @@ def test_bucket_boundaries(tokens: int, bucket: str) -> None:
 
 def test_buckets_of_a_layer_and_their_tune_sizes() -> None:
     names = lambda cap: [b.name for b in tuner.buckets_for(cap)]  # noqa: E731
-    assert names(1) == names(128) == ["decode"]
-    assert names(129) == names(2047) == ["decode", "mid"]
+    assert names(1) == names(768) == ["decode"]
+    assert names(769) == names(2047) == ["decode", "mid"]
     assert names(2048) == names(8192) == ["decode", "mid", "prefill"]
-    for cap in (1, 8, 64, 100, 2047, 3000, 8192):
+    for cap in (1, 8, 64, 100, 300, 1000, 2047, 3000, 8192):
         for b in tuner.buckets_for(cap):
             t = tuner.tune_tokens(b, cap)
             assert 1 <= t <= cap and tuner.bucket_of(t) == b.name
@@ -135,7 +135,7 @@ def test_defaults_are_the_declared_profiles() -> None:
     assert set(tuner.BF16_PROFILES) == {b.name for b in tuner.TOKEN_BUCKETS}
     for g in _geometries():
         base = drop.default_bf16_knobs(g)
-        assert tuner.default_knobs(g, 512) == base  # mid: the base defaults
+        assert tuner.default_knobs(g, 1024) == base  # mid: the base defaults
         for t, bucket in ((1, "decode"), (4096, "prefill")):
             knobs = tuner.default_knobs(g, t)
             assert tuner.is_valid(g, knobs)[0]

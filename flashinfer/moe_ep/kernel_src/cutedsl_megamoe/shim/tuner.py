@@ -45,10 +45,13 @@ class TokenBucket:
     tune_tokens: int  # T that autotune measures this bucket at (clipped to the layer's capacity)
 
 
-#: Design data, not measurements: decode steps, mid-size batches, prefill chunks.
+#: Decode steps and small batches, mid-size batches, prefill chunks. The decode/mid boundary is measured
+#: (H200, drop v4, TUNING.md): the 64-row decode profile beat the 128-row one on all three bench
+#: contracts at every T from 192 to 768 and lost on both qwen3 contracts at 1024; the mid/prefill
+#: boundary is design data.
 TOKEN_BUCKETS: tuple[TokenBucket, ...] = (
-    TokenBucket("decode", 128, 64),
-    TokenBucket("mid", 2047, 512),
+    TokenBucket("decode", 768, 256),
+    TokenBucket("mid", 2047, 1024),
     TokenBucket("prefill", None, 4096),
 )
 
@@ -120,7 +123,7 @@ BF16_KNOBS: tuple[KnobSpec, ...] = (
 
 # -- per-bucket default profiles ----------------------------------------------------------------------
 #: Bucket -> overrides of ``default_bf16_knobs`` (128-row M tiles, widest N tiles), from the H200
-#: sweeps in TUNING.md: 64-row M tiles with 128-wide FC2 tiles won at T <= 128 on all three bench
+#: sweeps in TUNING.md: 64-row M tiles with 128-wide FC2 tiles won at T <= 768 on all three bench
 #: contracts; at T >= 4096 clusters of two CTAs sharing weight tiles (drop v4: no extra padding) won on
 #: five of six points (deepseek-v3 16384: 21.7 vs 29.0 ms; qwen3-30b-a3b 16384 lost 4 %); ``mid``
 #: keeps the base defaults (cluster_m=2 was even or slower at T = 1024).

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.gpu
 
 #: small enough to tune in seconds, wide enough that every tile candidate divides it
 AUTO_GEOMETRY = {"hidden_size": 512, "intermediate_size": 256, "num_experts": 16, "top_k": 4}
-AUTO_MAX_TOKENS = 512  # buckets decode (tuned at T=64) and mid (T=512)
+AUTO_MAX_TOKENS = 1024  # buckets decode (tuned at T=256) and mid (T=1024)
 ROOT = Path(__file__).resolve().parents[5]
 
 
