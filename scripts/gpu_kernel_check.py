@@ -152,6 +152,12 @@ def variants() -> list[dict]:
         "dec_f2n64": dict(tile_m=64, fc1_tile_n=128, fc2_tile_n=64),
         "dec_f2n256": dict(tile_m=64, fc1_tile_n=128, fc2_tile_n=256),
         "dec_c2": dict(tile_m=64, fc1_tile_n=128, fc2_tile_n=128, cluster_m=2),
+        # stage masks of the prefill default (differences give per-stage times; wrong outputs)
+        "c2_mask_rg": dict(tile_m=128, fc1_tile_n=256, fc2_tile_n=256, cluster_m=2, stage_mask=0b00011),
+        "c2_mask_rg1": dict(tile_m=128, fc1_tile_n=256, fc2_tile_n=256, cluster_m=2, stage_mask=0b00111),
+        "c2_mask_rg12": dict(tile_m=128, fc1_tile_n=256, fc2_tile_n=256, cluster_m=2, stage_mask=0b01111),
+        "dec256_mask_rg1": dict(tile_m=64, fc1_tile_n=256, fc2_tile_n=128, stage_mask=0b00111),
+        "dec256_mask_rg12": dict(tile_m=64, fc1_tile_n=256, fc2_tile_n=128, stage_mask=0b01111),
     }
     for tag, kw in explore_ds.items():
         out.append(
