@@ -48,7 +48,7 @@ ACTIVATIONS = [
     ("relu2", None),
 ]
 FORMATS = ("mxfp8", "nvfp4")
-TOKENS = (1, 7, 128, 1000)
+TOKENS = (1, 7, 128, 1000, 2000)  # up to 1024 the decode bucket (64-row tiles), then prefill
 ROUTINGS = ("uniform", "skewed", "empty")
 CONFIG_CLS = {
     "mxfp8": moe.Sm90_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig,

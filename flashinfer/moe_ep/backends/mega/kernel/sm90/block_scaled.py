@@ -153,7 +153,10 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
 
 
 DECODE, PREFILL = "decode", "prefill"
-DECODE_MAX_TOKENS = 128
+#: Largest T of the decode bucket. Measured on the H200 (TUNING.md, session 3 run 10): 64-row tiles beat
+#: 128-row ones at every T from 128 to 1024 for both formats on all three bench contracts (128-row tiles
+#: take 4-60 % longer) and lose on the qwen3 contracts at 2048.
+DECODE_MAX_TOKENS = 1024
 #: knobs of the decode bucket over the defaults: 64 MMA rows (half the activation bytes per K tile;
 #: the second consumer warpgroup still converts). Measured: deepseek-v3 T=128 MXFP8 5.54 vs 5.94 ms.
 DECODE_OVERRIDES = {"tile_m": 64}
