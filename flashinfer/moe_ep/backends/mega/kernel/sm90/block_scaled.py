@@ -33,9 +33,9 @@ _KNOB_FIELDS = ("tile_m", "fc1_tile_n", "fc2_tile_n", "fc1_stages", "fc2_stages"
 class Sm90BlockScaledConfig(MegaKernelConfig):
     """Base of the SM90 block-scaled configs.
 
-    ``knobs``: ``None`` (defaults: the widest N tiles; per token bucket, 64-row M tiles for decode
-    (T <= 128) and 128-row ones above, measured on the H200, TUNING.md) or a mapping of compile-time
-    knobs for every T (``tile_m`` 64/128, ``fc1_tile_n``, ``fc2_tile_n``, ``fc1_stages``,
+    ``knobs``: ``None`` (defaults: the widest N tiles; per token bucket, 64-row M tiles for
+    T <= ``DECODE_MAX_TOKENS`` (1024) and 128-row ones above, measured on the H200, TUNING.md) or a
+    mapping of compile-time knobs for every T (``tile_m`` 64/128, ``fc1_tile_n``, ``fc2_tile_n``, ``fc1_stages``,
     ``fc2_stages``, ``num_sms``). Hidden and intermediate sizes must be multiples of 64. World size 1.
     """
 
