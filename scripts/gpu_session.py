@@ -93,13 +93,14 @@ def build(cache: Path, tune_contracts: bool = False, only: str | None = None) ->
             prebuild_candidates(cfg, TUNE_TOKENS, name)
 
     # the EP layer test (loopback ranks; the EP kernel takes the global expert count)
-    from tests.backends.mega.kernel.sm90.test_bf16_ep_layer_gpu import EP_GEOMETRY, EP_WORLDS
+    from tests.backends.mega.kernel.sm90.test_bf16_ep_layer_gpu import EP_CASES, EP_GEOMETRY
 
     ep_cfg = moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(**EP_GEOMETRY)
     ep_geometry = tuning.make_geometry(ep_cfg, ep_cfg.num_experts)
-    for world in EP_WORLDS:
-        lib = drop.Bf16EpFrontend(ep_geometry, drop.default_bf16_ep_knobs(ep_geometry, world, world)).build(cache)
-        print(f"EP layer test, {world} loopback ranks: {lib.name}", flush=True)
+    for world, knobs in EP_CASES:
+        ep_knobs = drop.default_bf16_ep_knobs(ep_geometry, world, world, knobs)
+        lib = drop.Bf16EpFrontend(ep_geometry, ep_knobs).build(cache)
+        print(f"EP layer test, {world} loopback ranks, knobs {knobs}: {lib.name}", flush=True)
     size = sum(p.stat().st_size for p in cache.rglob("*") if p.is_file())
     print(f"kernel cache {cache}: {size / 2**20:.1f} MiB")
     return 0

@@ -52,8 +52,8 @@ def test_bad_subcommand() -> None:
 
 
 def test_tune_refuses_world_size_above_one(monkeypatch, capsys) -> None:
-    """EP has no tuning surface yet: under torchrun, tune says so instead of recording unused winners."""
+    """EP takes explicit knobs only: under torchrun, tune says so instead of recording unused winners."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     assert main(["tune", "--contract", "tiny"]) == 2
-    assert "no tuning surface yet" in capsys.readouterr().err
+    assert "explicit tile knobs only" in capsys.readouterr().err

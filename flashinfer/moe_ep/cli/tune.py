@@ -73,8 +73,8 @@ def run(args: argparse.Namespace) -> int:
     rank, world, local_rank = _ranks()
     if world > 1:
         raise MoEEpConfigError(
-            f"tune runs on one rank (WORLD_SIZE={world} here): the expert-parallel layer's kernel has no "
-            "tuning surface yet and reads no knob-cache entry (see TUNING.md, 'Autotune protocol')"
+            f"tune runs on one rank (WORLD_SIZE={world} here): the expert-parallel layer takes explicit tile "
+            "knobs only and reads no knob-cache entry (see TUNING.md, 'Autotune protocol')"
         )
     device = torch.device("cuda", local_rank)
     missing = sm90_requirements(device)

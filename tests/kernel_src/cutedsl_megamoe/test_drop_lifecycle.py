@@ -105,8 +105,7 @@ def test_file_edited_in_place_fails_the_manifest(tmp_path: Path) -> None:
 def test_kernel_keys_follow_the_drop_files_not_only_the_version(tmp_path: Path) -> None:
     """An edit of src/ that is not (yet) recorded as a new drop keeps the version string, but must not
     reuse a library compiled from the old files: the kernel key carries the digest of the files."""
-    from flashinfer.moe_ep.kernel_src.cutedsl_megamoe.shim.vendor import source_digest
-
+    source_digest = drop.source_digest
     src = tmp_path / "src"
     shutil.copytree(SRC, src, ignore=shutil.ignore_patterns("__pycache__"))
     before = source_digest(src)

@@ -40,3 +40,20 @@ def test_ep_r2_k1_compiles_and_exports(tmp_path: Path) -> None:
     assert rec["args"][-5:] == ["abort", "rank", "epoch", "prev_epoch", "timeout_ns"]
     sym = [n for n, _, _ in rec["sym_specs"]]
     assert [b for _, b in rec["tables"]] == [n for n in sym]
+
+
+def test_ep_knobs_take_tile_overrides_and_refuse_the_rest() -> None:
+    g = drop.Geometry(256, 128, 16, 4, "swiglu", None)
+    default = drop.default_bf16_ep_knobs(g, 2, 2)
+    assert (default.tile_m, default.fc1_tile_n, default.fc2_tile_n) == (64, 128, 128)
+    knobs = drop.default_bf16_ep_knobs(g, 2, 2, {"tile_m": 128, "fc1_tile_n": 256})
+    assert (knobs.tile_m, knobs.fc1_tile_n, knobs.fc2_tile_n, knobs.world_size) == (128, 256, 128, 2)
+    drop.Bf16EpFrontend(g, knobs).check()
+    with pytest.raises(ValueError, match="unknown EP knob.*num_sms"):
+        drop.default_bf16_ep_knobs(g, 2, 2, {"num_sms": 64})
+    with pytest.raises(ValueError, match="tile_m must be"):
+        drop.Bf16EpFrontend(g, drop.default_bf16_ep_knobs(g, 2, 2, {"tile_m": 96})).check()
+    with pytest.raises(ValueError, match="spills registers"):
+        drop.Bf16EpFrontend(g, drop.default_bf16_ep_knobs(g, 2, 2, {"tile_m": 256, "fc1_tile_n": 256})).check()
+    with pytest.raises(ValueError, match="fc2_tile_n"):  # H = 256 does not divide by 192
+        drop.Bf16EpFrontend(g, drop.default_bf16_ep_knobs(g, 2, 2, {"fc2_tile_n": 192})).check()

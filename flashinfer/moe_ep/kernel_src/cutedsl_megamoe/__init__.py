@@ -10,7 +10,7 @@ from .shim import autotune, comm, frontend, kernel_cache, kernel_helpers, knob_c
 from .shim._paths import SRC_DIR
 from .shim.audit import audit_src
 from .shim.bf16 import Bf16Frontend, Bf16Knobs, default_bf16_knobs
-from .shim.bf16_ep import Bf16EpFrontend, Bf16EpKnobs, EpRankState, default_bf16_ep_knobs
+from .shim.bf16_ep import EP_TILE_KNOBS, Bf16EpFrontend, Bf16EpKnobs, EpRankState, default_bf16_ep_knobs
 from .shim.drop_update import NEXT_STEPS, update_drop
 from .shim.frontend import (
     ARCH,
@@ -24,12 +24,13 @@ from .shim.frontend import (
 from .shim.mxfp8 import Mxfp8Frontend
 from .shim.nvfp4 import Nvfp4Frontend
 from .shim.quant import PackedQuantWeights, QuantFrontend, QuantKnobs, default_quant_knobs
-from .shim.vendor import check_manifest, read_vendor
+from .shim.vendor import check_manifest, read_vendor, source_digest
 
 __all__ = [
     "ARCH",
     "Bf16EpFrontend",
     "Bf16EpKnobs",
+    "EP_TILE_KNOBS",
     "Bf16Frontend",
     "Bf16Knobs",
     "Geometry",
@@ -57,6 +58,7 @@ __all__ = [
     "knob_cache",
     "prepare_compile_env",
     "read_vendor",
+    "source_digest",
     "tuner",
     "tvm_ffi_available",
     "update_drop",

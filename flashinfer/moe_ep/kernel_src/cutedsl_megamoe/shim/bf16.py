@@ -56,13 +56,18 @@ class Bf16Frontend(KernelFrontend):
         """Rules of every BF16 GLU kernel (world size 1 and EP): activation, sizes, N tiles."""
         check_glu_geometry(self.geometry, self.knobs.fc1_tile_n, self.knobs.fc2_tile_n, local_experts, "BF16")
 
-    def check(self) -> None:
+    def check_tiles(self) -> None:
+        """The M tile rules of the grouped GEMM (world size 1 and EP); N tiles: ``check_glu_problem``."""
         k = self.knobs
-        self.check_glu_problem(self.geometry.num_experts)
         if k.tile_m not in (64, 128, 256):
             raise ValueError(f"tile_m must be 64, 128 or 256, got {k.tile_m}")
         if k.tile_m == 256 and 256 in (k.fc1_tile_n, k.fc2_tile_n):
             raise ValueError("tile_m=256 with a 256-wide N tile spills registers (5x slower); use a 128-wide N tile")
+
+    def check(self) -> None:
+        k = self.knobs
+        self.check_glu_problem(self.geometry.num_experts)
+        self.check_tiles()
         if k.cluster_m not in (1, 2):
             raise ValueError(f"cluster_m must be 1 or 2, got {k.cluster_m}")
 

@@ -31,16 +31,24 @@ class Bf16EpKnobs:
     num_sms: int = 132
 
 
-def default_bf16_ep_knobs(geometry: Geometry, world_size: int, ranks_per_gpu: int) -> Bf16EpKnobs:
-    """64-row M tiles and N tiles up to 128 wide: the shapes the loopback tests ran (not tuned yet)."""
+#: the EP knobs a config may set (``world_size``, ``ranks_per_gpu`` come from the bootstrap, the grid
+#: from the device)
+EP_TILE_KNOBS = ("tile_m", "fc1_tile_n", "fc2_tile_n")
+
+
+def default_bf16_ep_knobs(
+    geometry: Geometry, world_size: int, ranks_per_gpu: int, overrides: dict[str, int] | None = None
+) -> Bf16EpKnobs:
+    """64-row M tiles and N tiles up to 128 wide (the shapes the loopback tests ran; not tuned: EP
+    performance needs several GPUs), with ``overrides`` (a subset of ``EP_TILE_KNOBS``) applied.
+    Raises ValueError on another knob name; the values are checked by ``Bf16EpFrontend.check``."""
+    unknown = sorted(set(overrides or {}) - set(EP_TILE_KNOBS))
+    if unknown:
+        raise ValueError(f"unknown EP knob(s) {', '.join(unknown)}; known: {', '.join(EP_TILE_KNOBS)}")
     gated = geometry.activation in kh.constants.GATED_ACTIVATIONS
     fc1_n = 2 * geometry.intermediate if gated else geometry.intermediate
-    return Bf16EpKnobs(
-        world_size=world_size,
-        ranks_per_gpu=ranks_per_gpu,
-        fc1_tile_n=widest_tile(fc1_n, 128),
-        fc2_tile_n=widest_tile(geometry.hidden, 128),
-    )
+    base = {"fc1_tile_n": widest_tile(fc1_n, 128), "fc2_tile_n": widest_tile(geometry.hidden, 128)}
+    return Bf16EpKnobs(world_size=world_size, ranks_per_gpu=ranks_per_gpu, **{**base, **(overrides or {})})
 
 
 class Bf16EpFrontend(Bf16Frontend):
@@ -54,6 +62,7 @@ class Bf16EpFrontend(Bf16Frontend):
         if g.num_experts % k.world_size:
             raise ValueError(f"{g.num_experts} experts do not split over {k.world_size} ranks")
         self.check_glu_problem(g.num_experts // k.world_size)
+        self.check_tiles()
         if k.num_sms // k.ranks_per_gpu < 1:
             raise ValueError(f"ranks_per_gpu={k.ranks_per_gpu} leaves no SM per rank")
 
@@ -162,4 +171,4 @@ class EpRankState:
         self.local = []
 
 
-__all__ = ["Bf16EpFrontend", "Bf16EpKnobs", "EpRankState", "default_bf16_ep_knobs"]
+__all__ = ["EP_TILE_KNOBS", "Bf16EpFrontend", "Bf16EpKnobs", "EpRankState", "default_bf16_ep_knobs"]

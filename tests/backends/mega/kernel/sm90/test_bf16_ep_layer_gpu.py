@@ -28,16 +28,17 @@ from flashinfer.moe_ep.core.reference import moe_reference
 pytestmark = pytest.mark.gpu
 
 EP_GEOMETRY = {"hidden_size": 256, "intermediate_size": 128, "num_experts": 16, "top_k": 4}
-EP_WORLDS = (2, 4)
+#: (world size, explicit EP knobs or None) of every layer these tests build (prebuilt by gpu_session.py)
+EP_CASES = [(2, None), (4, None), (2, {"tile_m": 128, "fc1_tile_n": 256})]
 EP_MAX_TOKENS = 256
 
 
-def _config() -> moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig:
-    return moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(**EP_GEOMETRY)
+def _config(knobs: dict | None = None) -> moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig:
+    return moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(**EP_GEOMETRY, knobs=knobs)
 
 
-def _world(world: int, timeout_s: float = 2.0):
-    cfg = _config()
+def _world(world: int, timeout_s: float = 2.0, knobs: dict | None = None):
+    cfg = _config(knobs)
     g = torch.Generator().manual_seed(world)
     w13, w2 = make_expert_weights(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, generator=g, device="cuda")
     group = moe.make_loopback_group(world, "cuda")
@@ -82,9 +83,9 @@ def _forward(layers, streams, inputs, ranks=None):
     return outs
 
 
-@pytest.mark.parametrize("world", EP_WORLDS)
-def test_loopback_ep_layer_matches_the_reference(world: int) -> None:
-    cfg, w13, w2, layers, streams = _world(world)
+@pytest.mark.parametrize("world, knobs", EP_CASES)
+def test_loopback_ep_layer_matches_the_reference(world: int, knobs: dict | None) -> None:
+    cfg, w13, w2, layers, streams = _world(world, knobs=knobs)
     g = torch.Generator().manual_seed(100 + world)
     tokens = [(37 * (r + 3)) % 200 + 1 for r in range(world)]
     tokens[1] = 0  # a zero-token rank
@@ -134,3 +135,19 @@ def test_missing_rank_raises_transport_error_then_recovers() -> None:
         assert relative_errors(got, ref)[0] < 1e-2 and rounding_ulps(got, ref, scale) <= 4.0
     for layer in layers:
         layer.destroy()
+
+
+def test_ep_layer_refuses_autotune_and_unknown_knobs() -> None:
+    group = moe.make_loopback_group(2, "cuda")
+    for knobs, match in (("auto", "no autotune"), ({"cluster_m": 2}, "unknown EP knob")):
+        cfg = _config(knobs)
+        w13, w2 = make_expert_weights(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, device="cuda")
+        with pytest.raises(moe.MoEEpConfigError, match=match):
+            moe.MoEEpLayer(
+                moe.BootstrapConfig(
+                    world_size=2, rank=0, device="cuda", symmetric_memory="loopback", loopback_group=group
+                ),
+                moe.FleetParams(cfg.num_experts, EP_MAX_TOKENS, cfg.hidden_size),
+                moe.MoEWeightPack(w13[:8].contiguous(), w2[:8].contiguous()),
+                backend=moe.MegaConfig(cfg),
+            )

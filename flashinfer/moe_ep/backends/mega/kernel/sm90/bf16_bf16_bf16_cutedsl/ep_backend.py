@@ -38,14 +38,18 @@ class Sm90Bf16EpBackend(Sm90Bf16CutedslBackend):
 
         b, c = self.bootstrap, self.config
         self.mode = "loopback" if b.symmetric_memory == "loopback" else "nvshmem"
-        if c.knobs is not None:
-            raise MoEEpConfigError(f"{c.kernel_name} at world_size > 1 takes no knobs yet (got {c.knobs!r})")
+        if c.knobs is not None and not isinstance(c.knobs, dict):
+            raise MoEEpConfigError(
+                f"{c.kernel_name} at world_size > 1 takes knobs=None or a dict of {', '.join(drop.EP_TILE_KNOBS)} "
+                f"(no autotune of the expert-parallel kernel yet); got {c.knobs!r}"
+            )
         geometry = tuning.make_geometry(c, c.num_experts)  # the EP kernel takes the GLOBAL expert count
         ranks_per_gpu = b.world_size if self.mode == "loopback" else 1
-        self.frontend = drop.Bf16EpFrontend(geometry, drop.default_bf16_ep_knobs(geometry, b.world_size, ranks_per_gpu))
         try:
+            knobs = drop.default_bf16_ep_knobs(geometry, b.world_size, ranks_per_gpu, c.knobs)
+            self.frontend = drop.Bf16EpFrontend(geometry, knobs)
             self.frontend.check()
-        except ValueError as exc:
+        except (TypeError, ValueError) as exc:
             raise MoEEpConfigError(f"{c.kernel_name}: {exc}") from None
         self.state: Any = None
         self.w13: torch.Tensor | None = None
