@@ -101,6 +101,17 @@ def build(cache: Path, tune_contracts: bool = False, only: str | None = None) ->
         ep_knobs = drop.default_bf16_ep_knobs(ep_geometry, world, world, knobs)
         lib = drop.Bf16EpFrontend(ep_geometry, ep_knobs).build(cache)
         print(f"EP layer test, {world} loopback ranks, knobs {knobs}: {lib.name}", flush=True)
+    # the torchrun multirank test of the SM90 EP layer (one GPU per rank: ranks_per_gpu 1), for issue #8
+    from tests.multirank.test_torchrun import SM90_EP_GEOMETRY, SM90_EP_WORLDS
+
+    g = SM90_EP_GEOMETRY
+    for world in SM90_EP_WORLDS:
+        cfg = moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
+            g["hidden_size"], g["intermediate_size"], g["experts_per_rank"] * world, g["top_k"]
+        )
+        geometry = tuning.make_geometry(cfg, cfg.num_experts)
+        lib = drop.Bf16EpFrontend(geometry, drop.default_bf16_ep_knobs(geometry, world, 1)).build(cache)
+        print(f"multirank SM90 EP test, world {world}: {lib.name}", flush=True)
     size = sum(p.stat().st_size for p in cache.rglob("*") if p.is_file())
     print(f"kernel cache {cache}: {size / 2**20:.1f} MiB")
     return 0

@@ -151,3 +151,26 @@ def test_ep_layer_refuses_autotune_and_unknown_knobs() -> None:
                 moe.MoEWeightPack(w13[:8].contiguous(), w2[:8].contiguous()),
                 backend=moe.MegaConfig(cfg),
             )
+
+
+def test_graph_capture_is_refused_and_the_layer_stays_usable() -> None:
+    cfg, w13, w2, layers, streams = _world(2)
+    g = torch.Generator().manual_seed(5)
+    inputs = []
+    for _ in range(2):
+        x = make_hidden_states(9, cfg.hidden_size, generator=g, device="cuda")
+        ids, w = make_topk(9, cfg.num_experts, cfg.top_k, generator=g, device="cuda")
+        inputs.append((x, ids, w))
+    x, ids, w = inputs[0]
+    with pytest.raises(moe.MoEEpConfigError, match="CUDA graph"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            layers[0].forward(moe.MoEEpTensors(x, ids, w), output=torch.empty_like(x))
+    outs = _forward(layers, streams, inputs)  # every rank, eagerly: correct
+    for layer in layers:
+        layer.check_transport()
+    ref, scale = moe_reference(torch.cat([i[0] for i in inputs]), torch.cat([i[1] for i in inputs]),
+                               torch.cat([i[2] for i in inputs]), w13, w2, return_term_scale=True)  # fmt: skip
+    got = torch.cat(outs)
+    assert relative_errors(got, ref)[0] < 1e-2 and rounding_ulps(got, ref, scale) <= 4.0
+    for layer in layers:
+        layer.destroy()

@@ -5,7 +5,8 @@ symmetric buffers, runs FC1/FC2 there and combines the results back, with deadli
 cross-rank wait. A wait that expires sets the rank's abort word; the layer raises
 ``MoEEpTransportError`` (stage, peer, epoch) on the next ``forward`` or ``check_transport``. Every
 rank then calls ``recover_transport()`` (collective) and the next forward runs normally. Not yet: token
-buckets, autotune, workspace pooling, CUDA graphs.
+buckets, autotune, workspace pooling, CUDA graphs (capture is refused: the cross-rank epoch is a launch
+argument, so every replay of a graph would reuse one epoch and its waits would pass on stale flags).
 """
 
 from __future__ import annotations
@@ -126,6 +127,12 @@ class Sm90Bf16EpBackend(Sm90Bf16CutedslBackend):
         self.state.resync(int(epoch.item()))
 
     def compute(self, staged: MoEEpTensors, output: torch.Tensor) -> torch.Tensor:
+        if torch.cuda.is_current_stream_capturing():
+            raise MoEEpConfigError(
+                f"{self.config.kernel_name} at world_size > 1 cannot be captured in a CUDA graph yet: the "
+                "cross-rank epoch is a launch argument, so a replayed graph would reuse it and its waits "
+                "would pass on stale flags. Run the expert-parallel layer eagerly."
+            )
         self._raise_if_aborted(wait=False)  # a finished earlier forward that aborted (no sync)
         load_kernel(self.frontend)
         timeout_ns = int(self.bootstrap.transport_timeout_s * 1e9)
