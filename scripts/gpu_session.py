@@ -112,6 +112,18 @@ def build(cache: Path, tune_contracts: bool = False, only: str | None = None) ->
         geometry = tuning.make_geometry(cfg, cfg.num_experts)
         lib = drop.Bf16EpFrontend(geometry, drop.default_bf16_ep_knobs(geometry, world, 1)).build(cache)
         print(f"multirank SM90 EP test, world {world}: {lib.name}", flush=True)
+    # scripts/ep_bench.py (issue #8): the bench contracts' EP kernels, one GPU per rank
+    from scripts.ep_bench import BENCH_CONTRACTS as EP_BENCH_CONTRACTS
+
+    for name in EP_BENCH_CONTRACTS:
+        c = get_contract(name)
+        cfg = moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
+            c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit
+        )
+        geometry = tuning.make_geometry(cfg, cfg.num_experts)
+        for world in SM90_EP_WORLDS:
+            lib = drop.Bf16EpFrontend(geometry, drop.default_bf16_ep_knobs(geometry, world, 1)).build(cache)
+            print(f"EP bench {name}, world {world}: {lib.name}", flush=True)
     size = sum(p.stat().st_size for p in cache.rglob("*") if p.is_file())
     print(f"kernel cache {cache}: {size / 2**20:.1f} MiB")
     return 0

@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""Expert-parallel benchmark (issue #8): the mega layer against the split baseline, one process per GPU.
+
+    NVSHMEM_SYMMETRIC_SIZE=8G torchrun --nproc_per_node=N scripts/ep_bench.py \\
+        --contract deepseek-v3 qwen3-235b-a22b --tokens 8 128 2048 8192
+
+Per contract and tokens per rank, on the same inputs: the SM90 BF16 layer at world size N (in-kernel
+dispatch and combine over NVSHMEM) and ``core.baselines.split_ep_moe`` (``all_to_all_single`` dispatch,
+``torch._grouped_mm`` experts, ``all_to_all_single`` combine: what an engine builds without us). Each
+timed launch starts after a barrier; a launch's time is the slowest rank's (CUDA events, all-reduce
+MAX), the figure is the median over rotating input sets. The mega output is checked against the
+baseline's on every rank (mean relative error). Kernels must be prebuilt (``scripts/gpu_session.py
+build`` does it for the bench contracts at world 2, 4 and 8). Without CUDA the ranks run on the CPU
+over gloo with the reference backend: a smoke test of this harness, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+BENCH_CONTRACTS = ("deepseek-v3", "qwen3-235b-a22b")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--contract", nargs="+", default=list(BENCH_CONTRACTS))
+    p.add_argument("--tokens", type=int, nargs="+", default=[8, 128, 2048, 8192], help="tokens per rank")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--sets", type=int, default=3, help="rotating input sets")
+    a = p.parse_args()
+
+    import torch
+    import torch.distributed as dist
+
+    import flashinfer.moe_ep as moe
+    from flashinfer.moe_ep.core.baselines import split_ep_moe
+    from flashinfer.moe_ep.core.contracts import get_contract
+    from flashinfer.moe_ep.core.inputs import make_expert_weights, make_hidden_states, make_topk, relative_errors
+    from flashinfer.moe_ep.core.runtime.bootstrap import bootstrap_moe_ep_runtime, finalize_moe_ep_runtime
+
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    gpu = torch.cuda.is_available()
+    if gpu:
+        torch.cuda.set_device(local_rank)
+    dev = torch.device("cuda", local_rank) if gpu else torch.device("cpu")
+    rt = bootstrap_moe_ep_runtime(moe.BootstrapConfig(world_size=world, rank=rank, device=dev))
+    group = rt.group
+
+    def slowest_rank_ms(fn, iters: int, sets: int) -> float:
+        for i in range(sets):  # warm-up
+            fn(i)
+        if gpu:
+            torch.cuda.synchronize()
+        times = []
+        for i in range(iters):
+            dist.barrier(group=group)
+            if gpu:
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn(i % sets)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn(i % sets)
+                times.append((time.perf_counter() - t0) * 1e3)
+        per_launch = torch.tensor(times, dtype=torch.float64, device=dev)
+        dist.all_reduce(per_launch, op=dist.ReduceOp.MAX, group=group)
+        return statistics.median(per_launch.tolist())
+
+    rows = []
+    for name in a.contract:
+        c = get_contract(name)
+        if c.num_experts % world:
+            raise SystemExit(f"{name}: {c.num_experts} experts do not split over {world} ranks")
+        e_local = c.num_experts // world
+        wgen = torch.Generator(device=dev).manual_seed(100 + rank)  # this rank's experts
+        w13, w2 = make_expert_weights(e_local, c.hidden_size, c.intermediate_size, c.activation, generator=wgen,
+                                      device=dev)  # fmt: skip
+        if gpu:
+            config = moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
+                c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit
+            )
+        else:
+            config = moe.ReferenceMegaMoeConfig(
+                c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit
+            )
+        layer = moe.MoEEpLayer(
+            moe.BootstrapConfig(world_size=world, rank=rank, device=dev, process_group=group),
+            moe.FleetParams(c.num_experts, max(a.tokens), c.hidden_size),
+            moe.MoEWeightPack(w13, w2),
+            backend=moe.MegaConfig(config),
+            check_values=False,
+        )
+        layer.warmup()
+        w13_t, w2_t = w13.transpose(1, 2), w2.transpose(1, 2)
+        for t in a.tokens:
+            gen = torch.Generator().manual_seed(1000 * t + rank)
+            ins = []
+            for _ in range(a.sets):
+                x = make_hidden_states(t, c.hidden_size, generator=gen).to(dev)
+                ids, w = make_topk(t, c.num_experts, c.top_k, generator=gen)
+                ins.append(moe.MoEEpTensors(x, ids.to(dev), w.to(dev)))
+            outs = [torch.empty(t, c.hidden_size, dtype=torch.bfloat16, device=dev) for _ in range(a.sets)]
+
+            def mega(i: int, ins=ins, outs=outs, layer=layer) -> None:
+                layer.forward(ins[i], output=outs[i])
+
+            def split(i: int, ins=ins, c=c, w13_t=w13_t, w2_t=w2_t) -> torch.Tensor:
+                s = ins[i]
+                return split_ep_moe(s.hidden_states, s.topk_ids, s.topk_weights, w13_t, w2_t, group,
+                                    c.activation, c.activation_limit)  # fmt: skip
+
+            mega_ms = slowest_rank_ms(mega, a.iters, a.sets)
+            split_ms = slowest_rank_ms(split, a.iters, a.sets)
+            mega(0)
+            layer.check_transport()
+            err = torch.tensor([relative_errors(outs[0], split(0))[0] if t else 0.0], dtype=torch.float64, device=dev)
+            dist.all_reduce(err, op=dist.ReduceOp.MAX, group=group)
+            tflops = c.flops(t * world) / (mega_ms * 1e-3) / 1e12
+            rows.append((name, t, mega_ms, split_ms, split_ms / mega_ms, tflops, float(err)))
+            if rank == 0:
+                print(f"  {name} T/rank={t}: mega {mega_ms:.3f} ms, split {split_ms:.3f} ms, "
+                      f"x{split_ms / mega_ms:.2f}, {tflops:.0f} TFLOP/s, max-rank mean rel err {float(err):.1e}",
+                      flush=True)  # fmt: skip
+        layer.destroy()
+        del w13, w2, w13_t, w2_t
+        if gpu:
+            torch.cuda.empty_cache()
+    if rank == 0:
+        kind = torch.cuda.get_device_name() if gpu else "CPU (gloo, reference backend: a harness smoke test)"
+        print(f"\nEP bench, world {world}, {kind}; backend {type(config).__name__}")
+        print(f"{'contract':<16} {'T/rank':>7} {'mega ms':>9} {'split ms':>9} {'x split':>8} {'TFLOP/s':>8} {'err':>8}")
+        for name, t, m, s, r, tf, err in rows:
+            print(f"{name:<16} {t:>7} {m:>9.3f} {s:>9.3f} {r:>8.2f} {tf:>8.0f} {err:>8.1e}")
+    finalize_moe_ep_runtime()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
