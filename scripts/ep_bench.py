@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Expert-parallel benchmark (issue #8): the mega layer against the split baseline, one process per GPU.
 
-    NVSHMEM_SYMMETRIC_SIZE=8G torchrun --nproc_per_node=N scripts/ep_bench.py \\
+    NVSHMEM_SYMMETRIC_SIZE=10G torchrun --nproc_per_node=N scripts/ep_bench.py \\
         --contract deepseek-v3 qwen3-235b-a22b --tokens 8 128 2048 8192
 
 Per contract and tokens per rank, on the same inputs: the SM90 BF16 layer at world size N (in-kernel
@@ -10,7 +10,9 @@ dispatch and combine over NVSHMEM) and ``core.baselines.split_ep_moe`` (``all_to
 timed launch starts after a barrier; a launch's time is the slowest rank's (CUDA events, all-reduce
 MAX), the figure is the median over rotating input sets. The mega output is checked against the
 baseline's on every rank (mean relative error). Kernels must be prebuilt (``scripts/gpu_session.py
-build`` does it for the bench contracts at world 2, 4 and 8). Without CUDA the ranks run on the CPU
+build`` does it for the bench contracts at world 2, 4 and 8). The symmetric heap grows with ranks and
+tokens (docs/ep.md: deepseek-v3 at 8 ranks x 8192 tokens needs ~7.7 GB per rank; a too-small heap
+raises an error naming the size to set). Without CUDA the ranks run on the CPU
 over gloo with the reference backend: a smoke test of this harness, not a measurement.
 """
 
