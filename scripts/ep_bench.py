@@ -22,7 +22,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,6 +42,7 @@ def main() -> int:
     import torch.distributed as dist
 
     import flashinfer.moe_ep as moe
+    from flashinfer.moe_ep.cli.bench import launch_times_ms
     from flashinfer.moe_ep.core.baselines import split_ep_moe
     from flashinfer.moe_ep.core.contracts import get_contract
     from flashinfer.moe_ep.core.inputs import make_expert_weights, make_hidden_states, make_topk, relative_errors
@@ -58,25 +58,14 @@ def main() -> int:
     group = rt.group
 
     def slowest_rank_ms(fn, iters: int, sets: int) -> float:
-        for i in range(sets):  # warm-up
-            fn(i)
-        if gpu:
-            torch.cuda.synchronize()
-        times = []
-        for i in range(iters):
+        """Median over launches of the slowest rank's time; every launch starts after a barrier."""
+
+        def aligned() -> None:  # every rank starts its launch after all arrived and its GPU is idle
             dist.barrier(group=group)
             if gpu:
                 torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn(i % sets)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                fn(i % sets)
-                times.append((time.perf_counter() - t0) * 1e3)
+
+        times = launch_times_ms(fn, iters, sets, before=aligned)
         per_launch = torch.tensor(times, dtype=torch.float64, device=dev)
         dist.all_reduce(per_launch, op=dist.ReduceOp.MAX, group=group)
         return statistics.median(per_launch.tolist())

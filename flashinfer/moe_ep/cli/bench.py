@@ -13,6 +13,7 @@ import csv
 import math
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -59,20 +60,36 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _time_ms(fn: Any, iters: int, sets: int) -> float:
-    """Median per-launch ms over ``iters`` launches cycling through ``sets`` input sets."""
-    for i in range(sets):  # warm-up (loads, allocator, caches of the first touch)
+def launch_times_ms(fn: Any, iters: int, sets: int, before: Any = None) -> list[float]:
+    """Per-launch ms of ``iters`` launches cycling through ``sets`` input sets, after one warm-up launch
+    per set (loads, allocator, caches of the first touch). ``before()`` runs ahead of every timed launch,
+    outside the timed region (e.g. a barrier). CUDA events on a GPU, the host clock without one."""
+    cuda = torch.cuda.is_available()
+    for i in range(sets):
         fn(i)
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     times = []
     for i in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(i % sets)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        if before is not None:
+            before()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(i % sets)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn(i % sets)
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def _time_ms(fn: Any, iters: int, sets: int) -> float:
+    """Median per-launch ms over ``iters`` launches cycling through ``sets`` input sets."""
+    return statistics.median(launch_times_ms(fn, iters, sets))
 
 
 def _graph_time_ms(fn: Any, iters: int, sets: int) -> float:

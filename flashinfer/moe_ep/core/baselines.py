@@ -76,7 +76,7 @@ def split_ep_moe(
     t, k = topk_ids.shape
     flat = topk_ids.reshape(-1).long()
     dest = flat // e_local
-    order = torch.argsort(dest * e_local + flat % e_local, stable=True)  # by rank, then local expert
+    order = torch.argsort(flat, stable=True)  # by expert, so by owner rank, then local expert
     send_counts = torch.bincount(dest, minlength=world)
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)

@@ -72,6 +72,24 @@ def _world(world: int, timeout_s: float = 2.0, knobs: dict | None = None):
     return cfg, w13, w2, layers, streams
 
 
+def _rank_inputs(cfg, g: torch.Generator, tokens_per_rank: list[int]) -> list[tuple]:
+    """(x, topk_ids, topk_weights) of every rank, uniform routing."""
+    inputs = []
+    for t in tokens_per_rank:
+        x = make_hidden_states(t, cfg.hidden_size, generator=g, device="cuda")
+        ids, w = make_topk(t, cfg.num_experts, cfg.top_k, generator=g, device="cuda")
+        inputs.append((x, ids, w))
+    return inputs
+
+
+def _assert_matches_reference(inputs, outs, w13, w2) -> None:
+    """Every rank's output against the single-process reference on the concatenated global inputs."""
+    ref, scale = moe_reference(torch.cat([i[0] for i in inputs]), torch.cat([i[1] for i in inputs]),
+                               torch.cat([i[2] for i in inputs]), w13, w2, return_term_scale=True)  # fmt: skip
+    got = torch.cat(outs)
+    assert relative_errors(got, ref)[0] < 1e-2 and rounding_ulps(got, ref, scale) <= 4.0
+
+
 def _forward(layers, streams, inputs, ranks=None):
     outs = [None] * len(layers)
     for r in ranks if ranks is not None else range(len(layers)):
@@ -114,12 +132,7 @@ def test_loopback_ep_layer_matches_the_reference(world: int, knobs: dict | None)
 
 def test_missing_rank_raises_transport_error_then_recovers() -> None:
     cfg, w13, w2, layers, streams = _world(2, timeout_s=0.2)
-    g = torch.Generator().manual_seed(7)
-    inputs = []
-    for _ in range(2):
-        x = make_hidden_states(5, cfg.hidden_size, generator=g, device="cuda")
-        ids, w = make_topk(5, cfg.num_experts, cfg.top_k, generator=g, device="cuda")
-        inputs.append((x, ids, w))
+    inputs = _rank_inputs(cfg, torch.Generator().manual_seed(7), [5, 5])
     _forward(layers, streams, inputs, ranks=[0])  # rank 1 never arrives
     with pytest.raises(moe.MoEEpTransportError, match=r"rank 0 of 2: .* on rank 1 timed out"):
         layers[0].check_transport()
@@ -129,10 +142,7 @@ def test_missing_rank_raises_transport_error_then_recovers() -> None:
         outs = _forward(layers, streams, inputs)
         for layer in layers:
             layer.check_transport()
-        ref, scale = moe_reference(torch.cat([i[0] for i in inputs]), torch.cat([i[1] for i in inputs]),
-                                   torch.cat([i[2] for i in inputs]), w13, w2, return_term_scale=True)  # fmt: skip
-        got = torch.cat(outs)
-        assert relative_errors(got, ref)[0] < 1e-2 and rounding_ulps(got, ref, scale) <= 4.0
+        _assert_matches_reference(inputs, outs, w13, w2)
     for layer in layers:
         layer.destroy()
 
@@ -155,12 +165,7 @@ def test_ep_layer_refuses_autotune_and_unknown_knobs() -> None:
 
 def test_graph_capture_is_refused_and_the_layer_stays_usable() -> None:
     cfg, w13, w2, layers, streams = _world(2)
-    g = torch.Generator().manual_seed(5)
-    inputs = []
-    for _ in range(2):
-        x = make_hidden_states(9, cfg.hidden_size, generator=g, device="cuda")
-        ids, w = make_topk(9, cfg.num_experts, cfg.top_k, generator=g, device="cuda")
-        inputs.append((x, ids, w))
+    inputs = _rank_inputs(cfg, torch.Generator().manual_seed(5), [9, 9])
     x, ids, w = inputs[0]
     with pytest.raises(moe.MoEEpConfigError, match="CUDA graph"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
@@ -168,9 +173,6 @@ def test_graph_capture_is_refused_and_the_layer_stays_usable() -> None:
     outs = _forward(layers, streams, inputs)  # every rank, eagerly: correct
     for layer in layers:
         layer.check_transport()
-    ref, scale = moe_reference(torch.cat([i[0] for i in inputs]), torch.cat([i[1] for i in inputs]),
-                               torch.cat([i[2] for i in inputs]), w13, w2, return_term_scale=True)  # fmt: skip
-    got = torch.cat(outs)
-    assert relative_errors(got, ref)[0] < 1e-2 and rounding_ulps(got, ref, scale) <= 4.0
+    _assert_matches_reference(inputs, outs, w13, w2)
     for layer in layers:
         layer.destroy()
