@@ -74,7 +74,7 @@ def variants() -> list[dict]:
         dict(
             name="small_swiglu_c2",
             role="check",
-            kw=dict(activation="swiglu", tile_m=128, fc1_tile_n=256, fc2_tile_n=256, cluster_m=2),
+            kw=dict(activation="swiglu", tile_m=128, fc1_tile_n=256, fc2_tile_n=256, cluster_m=2, pair_by_expert=False),
             **SMALL,
         )
     )
@@ -82,10 +82,13 @@ def variants() -> list[dict]:
         dict(
             name="small_geglu_tm64_c2",
             role="check",
-            kw=dict(activation="geglu", tile_m=64, fc1_tile_n=128, fc2_tile_n=128, cluster_m=2),
+            kw=dict(activation="geglu", tile_m=64, fc1_tile_n=128, fc2_tile_n=128, cluster_m=2, pair_by_expert=False),
             **SMALL,
         )
     )
+    for tag, act, tm, tn in (("small_swiglu_c2pe", "swiglu", 128, 256), ("small_geglu_tm64_c2pe", "geglu", 64, 128)):
+        kw = dict(activation=act, tile_m=tm, fc1_tile_n=tn, fc2_tile_n=tn, cluster_m=2, pair_by_expert=True)
+        out.append(dict(name=tag, role="check", kw=kw, **SMALL))
     out.append(
         dict(
             name="small_relu2_tm256",
@@ -109,16 +112,20 @@ def variants() -> list[dict]:
                 name=f"{model}_c2",
                 role="perf",
                 model=model,
-                kw=dict(activation="swiglu", tile_m=128, fc1_tile_n=256, fc2_tile_n=256, cluster_m=2),
+                kw=dict(
+                    activation="swiglu", tile_m=128, fc1_tile_n=256, fc2_tile_n=256, cluster_m=2, pair_by_expert=False
+                ),
                 **dims,
             )
         )
         out.append(
             dict(
-                name=f"{model}_m64c2",
+                name=f"{model}_c2pe",
                 role="perf",
                 model=model,
-                kw=dict(activation="swiglu", tile_m=64, fc1_tile_n=256, fc2_tile_n=256, cluster_m=2),
+                kw=dict(
+                    activation="swiglu", tile_m=128, fc1_tile_n=256, fc2_tile_n=256, cluster_m=2, pair_by_expert=True
+                ),
                 **dims,
             )
         )
@@ -504,12 +511,12 @@ def gpu_main(phase: str, only: str | None) -> int:
         for model, dims in MODELS.items():
             if only and only not in model:
                 continue
-            names = [f"{model}_{n}" for n in ("main", "c2", "m64c2", "dec")]
+            names = [f"{model}_{n}" for n in ("main", "c2", "c2pe", "dec")]
             extra = [v["name"] for v in manifest if v["role"] == "compare" and v["model"] == model]
             res = time_libs(model, names + extra, with_base=True)
             torch.cuda.empty_cache()
             for t in PERF_TOKENS:
-                a, c2, m, b = (res[(f"{model}_{n}", t)] for n in ("main", "c2", "m64c2", "dec"))
+                a, c2, m, b = (res[(f"{model}_{n}", t)] for n in ("main", "c2", "c2pe", "dec"))
                 c = res[("torch", t)]
                 gb = res.get((f"{model}_dec@graph", t), float("nan"))
                 best = min(a, c2, m, b)
@@ -519,7 +526,7 @@ def gpu_main(phase: str, only: str | None) -> int:
                     (model, t, a, c2, m, b, gb, c, flops / (best * 1e-3) / 1e12, c / best, wbytes / 4.26e12 * 1e3)
                 )
         print(
-            "\n model            T   main_ms   c2_ms  m64c2_ms  dec_ms  dec@graph torch_ms "
+            "\n model            T   main_ms   c2_ms   c2pe_ms  dec_ms  dec@graph torch_ms "
             "best_TFLOP/s x_vs_torch floor_ms(4.26TB/s)"
         )
         for mo, t, a, c2, m, b, gb, c, tf, r, fl in rows:

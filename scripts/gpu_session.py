@@ -101,6 +101,12 @@ def build(cache: Path, tune_contracts: bool = False, only: str | None = None) ->
         ep_knobs = drop.default_bf16_ep_knobs(ep_geometry, world, world, knobs)
         lib = drop.Bf16EpFrontend(ep_geometry, ep_knobs).build(cache)
         print(f"EP layer test, {world} loopback ranks, knobs {knobs}: {lib.name}", flush=True)
+    from tests.backends.mega.kernel.sm90.test_bf16_ep_layer_gpu import EP_AUTO_WORLD
+
+    cands = drop.ep_candidates(ep_geometry, EP_AUTO_WORLD, EP_AUTO_WORLD)
+    for knobs in cands:
+        drop.Bf16EpFrontend(ep_geometry, knobs).build(cache)
+    print(f"EP layer test knobs='auto', {EP_AUTO_WORLD} loopback ranks: {len(cands)} candidates", flush=True)
     # the torchrun multirank test of the SM90 EP layer (one GPU per rank: ranks_per_gpu 1), for issue #8
     from tests.multirank.test_torchrun import SM90_EP_GEOMETRY, SM90_EP_WORLDS
 
@@ -110,8 +116,9 @@ def build(cache: Path, tune_contracts: bool = False, only: str | None = None) ->
             g["hidden_size"], g["intermediate_size"], g["experts_per_rank"] * world, g["top_k"]
         )
         geometry = tuning.make_geometry(cfg, cfg.num_experts)
-        lib = drop.Bf16EpFrontend(geometry, drop.default_bf16_ep_knobs(geometry, world, 1)).build(cache)
-        print(f"multirank SM90 EP test, world {world}: {lib.name}", flush=True)
+        for knobs in drop.ep_candidates(geometry, world, 1):  # the defaults first; all: the knobs="auto" test
+            lib = drop.Bf16EpFrontend(geometry, knobs).build(cache)
+        print(f"multirank SM90 EP test, world {world}: {lib.name} and the other autotune candidates", flush=True)
     # scripts/ep_bench.py (issue #8): the bench contracts' EP kernels, one GPU per rank
     from scripts.ep_bench import BENCH_CONTRACTS as EP_BENCH_CONTRACTS
 

@@ -61,6 +61,12 @@ def _bad_cases(gen):
         "repeats an expert within token 1": moe.MoEEpTensors(x, dup, w),
         "non-finite": moe.MoEEpTensors(x, ids, w.masked_fill(w == w[0, 0], float("inf"))),
         "above FleetParams.max_tokens_per_rank": _inputs(TMAX + 1, gen),
+        "num_tokens must have dtype": moe.MoEEpTensors(x, ids, w, num_tokens=torch.tensor([2])),
+        "num_tokens must have shape": moe.MoEEpTensors(x, ids, w, num_tokens=torch.tensor(2, dtype=torch.int32)),
+        "num_tokens holds 5, outside \\[0, 4\\]": moe.MoEEpTensors(x, ids, w, num_tokens=torch.tensor([5]).int()),
+        "holds expert id 8, outside": moe.MoEEpTensors(  # a bad id inside the live rows is still caught
+            x, ids.masked_fill(ids == ids[0, 0], 8), w, num_tokens=torch.tensor([4]).int()
+        ),
     }
 
 
@@ -72,6 +78,21 @@ def test_bad_inputs_raise_and_leave_the_layer_usable(setup, gen) -> None:
         good = _inputs(5, gen)
         want = moe_reference(good.hidden_states, good.topk_ids, good.topk_weights, w13, w2)
         assert torch.equal(layer.forward(good), want), f"layer broken after rejecting: {message}"
+
+
+@pytest.mark.parametrize("live", [0, 1, 6, 9])
+def test_live_token_count_runs_only_the_live_rows(setup, gen, live) -> None:
+    """``num_tokens`` (read on the host by this backend): live rows as a forward on them alone, the
+    other output rows untouched, and garbage in the dead input rows (bad expert ids) never read."""
+    layer, w13, w2 = setup
+    inp = _inputs(9, gen)
+    inp.topk_ids[live:] = -1
+    inp.num_tokens = torch.tensor([live], dtype=torch.int32)
+    out = torch.full((9, H), float("nan"), dtype=torch.bfloat16)
+    layer.forward(inp, output=out)
+    want = moe_reference(inp.hidden_states[:live], inp.topk_ids[:live], inp.topk_weights[:live], w13, w2)
+    assert torch.equal(out[:live], want)
+    assert bool(out[live:].isnan().all())
 
 
 def test_bad_output_buffer(setup, gen) -> None:
@@ -111,6 +132,8 @@ def test_config_validation(gen) -> None:
     w13, w2 = make_expert_weights(E, H, I, generator=gen)
     with pytest.raises(MoEEpConfigError, match="top_k=9 exceeds"):
         moe.ReferenceMegaMoeConfig(H, I, E, 9)
+    with pytest.raises(MoEEpConfigError, match="share_workspace must be a bool"):
+        moe.ReferenceMegaMoeConfig(H, I, E, K, share_workspace="no")
     with pytest.raises(MoEEpConfigError, match="hidden_size=64 differs"):
         moe.MoEEpLayer(
             moe.BootstrapConfig(device="cpu"),

@@ -84,6 +84,10 @@ class MegaKernelConfig:
     """Base of every mega backend config. Subclasses set ``kernel_name`` (the registry key).
 
     ``knobs``: backend-specific compile/launch knobs (``None`` = defaults); see each backend.
+    ``share_workspace``: kernel backends let layers of one geometry (same kernels, capacity, device, EP
+    group and rank) share one refcounted workspace, so a 60-layer model pays for one (at world size
+    > 1 that includes the symmetric heap). Sharing is safe for layers that run one after another on
+    one stream; set False for a layer that may run concurrently with another of its geometry.
     """
 
     kernel_name: ClassVar[str] = ""
@@ -97,12 +101,15 @@ class MegaKernelConfig:
     activation: str = "swiglu"
     activation_limit: float | None = None
     knobs: Any = None
+    share_workspace: bool = field(default=True, kw_only=True)
 
     def __post_init__(self) -> None:
         for f in ("hidden_size", "intermediate_size", "num_experts", "top_k"):
             _positive_int(f"{type(self).__name__}.{f}", getattr(self, f))
         if self.top_k > self.num_experts:
             raise MoEEpConfigError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        if not isinstance(self.share_workspace, bool):
+            raise MoEEpConfigError(f"share_workspace must be a bool, got {self.share_workspace!r}")
         ActivationSpec(self.activation, self.activation_limit)  # validates
 
     @property
@@ -149,13 +156,21 @@ class MoEWeightPack:
 @dataclass
 class MoEEpTensors:
     """One forward's inputs on this rank: ``hidden_states`` [T, H] bf16, ``topk_ids`` [T, k] int32
-    (global expert ids), ``topk_weights`` [T, k] fp32. ``scales``: pre-quantized activation scales."""
+    (global expert ids), ``topk_weights`` [T, k] fp32. ``scales``: pre-quantized activation scales.
+
+    ``num_tokens``: optional live token count, an int32 tensor of one element on the layer's device.
+    Only the first ``num_tokens`` rows are live: the other input rows are never read and the matching
+    output rows are left untouched. Backends that read it on the device (``MegaKernelBackend.
+    device_live_tokens``: the SM90 BF16 backend at world size > 1) let a CUDA graph captured with
+    T-row buffers replay with any live count in [0, T]; the others read it on the host (a device
+    synchronization; refused during graph capture)."""
 
     hidden_states: torch.Tensor
     topk_ids: torch.Tensor
     topk_weights: torch.Tensor
     scales: torch.Tensor | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    num_tokens: torch.Tensor | None = None
 
 
 __all__ = [

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .backends.mega.base import MegaKernelBackend
 from .config import BootstrapConfig, FleetParams, MegaConfig, MoEEpTensors, MoEWeightPack
-from .core.validation import check_forward_inputs
+from .core.validation import check_forward_inputs, check_live_tokens, check_topk_values
 from .errors import MoEEpConfigError, MoEEpError, MoEEpInputError
 from .modes.mega.registry import create_mega_kernel
 
@@ -61,11 +63,15 @@ class MoEEpMegaLayer:
         return self.config.kernel_name
 
     def forward(self, tensors: MoEEpTensors, *, output: torch.Tensor | None = None) -> torch.Tensor:
-        """Run the layer on this rank's tokens; returns ``[T, H]`` bf16 (``output`` if given)."""
+        """Run the layer on this rank's tokens; returns ``[T, H]`` bf16 (``output`` if given).
+
+        With ``tensors.num_tokens`` only the first ``num_tokens`` rows are live (see ``MoEEpTensors``);
+        the other rows of the returned tensor are left as they were."""
         backend = self.backend
         if not isinstance(tensors, MoEEpTensors):
             raise MoEEpInputError(f"forward takes a MoEEpTensors, got {type(tensors).__name__}")
         c = self.config
+        live_given = tensors.num_tokens is not None
         t = check_forward_inputs(
             tensors.hidden_states,
             tensors.topk_ids,
@@ -76,12 +82,44 @@ class MoEEpMegaLayer:
             max_tokens=self.fleet_params.max_tokens_per_rank,
             device=self.device,
             output=output,
-            check_values=self.check_values,
+            check_values=self.check_values and not live_given,
         )
         if output is None:
             output = torch.empty(t, c.hidden_size, dtype=torch.bfloat16, device=self.device)
+        if live_given:
+            tensors, rows = self._live_rows(tensors, t)
+            if rows is not None:  # host fallback: run the backend on the live rows only
+                staged = backend.stage_inputs(tensors)
+                backend.compute(staged, output[:rows])
+                return output
         staged = backend.stage_inputs(tensors)
         return backend.compute(staged, output)
+
+    def _live_rows(self, tensors: MoEEpTensors, t: int) -> tuple[MoEEpTensors, int | None]:
+        """Validate ``tensors.num_tokens``. A backend that reads it on the device gets it as is (returns
+        rows None); otherwise it is read here (a sync) and the inputs are cut to the live rows."""
+        on_device = self.backend.device_live_tokens
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if capturing and not on_device:
+            raise MoEEpConfigError(
+                f"{self.kernel_name} reads MoEEpTensors.num_tokens on the host, which a CUDA graph cannot "
+                "replay; capture one graph per token count (or pass num_tokens=None)"
+            )
+        read = not on_device or (self.check_values and not capturing)
+        live = check_live_tokens(tensors.num_tokens, t, self.device, read_value=read)
+        if self.check_values and live:
+            check_topk_values(tensors.topk_ids[:live], tensors.topk_weights[:live], self.config.num_experts)
+        if on_device:
+            return tensors, None
+        assert live is not None
+        cut = dataclasses.replace(
+            tensors,
+            hidden_states=tensors.hidden_states[:live],
+            topk_ids=tensors.topk_ids[:live],
+            topk_weights=tensors.topk_weights[:live],
+            num_tokens=None,
+        )
+        return cut, live
 
     __call__ = forward
 

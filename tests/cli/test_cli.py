@@ -1,6 +1,7 @@
 import importlib.metadata as md
 
 import pytest
+import torch
 
 from flashinfer.moe_ep.cli import doctor, main
 
@@ -51,9 +52,15 @@ def test_bad_subcommand() -> None:
         main(["nope"])
 
 
-def test_tune_refuses_world_size_above_one(monkeypatch, capsys) -> None:
-    """EP takes explicit knobs only: under torchrun, tune says so instead of recording unused winners."""
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", "0")
-    assert main(["tune", "--contract", "tiny"]) == 2
-    assert "explicit tile knobs only" in capsys.readouterr().err
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
+@pytest.mark.parametrize("how", ["torchrun", "loopback"])
+def test_tune_of_the_ep_kernel_needs_the_gpu(monkeypatch, capsys, how: str) -> None:
+    """EP tuning (torchrun ranks or loopback ranks) times kernels: without an SM90 GPU it says what is missing."""
+    args = ["tune", "--contract", "tiny"]
+    if how == "torchrun":
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", "0")
+    else:
+        args += ["--loopback", "2"]
+    assert main(args) == 2
+    assert "tune times kernels on the GPU" in capsys.readouterr().err

@@ -142,7 +142,7 @@ def _sm90_ep_skip_reason(runtime) -> str | None:
 @pytest.mark.parametrize("routing", ["uniform", "skewed"])
 def test_sm90_ep_layer_over_nvshmem_matches_the_all_gather_oracle(runtime, routing: str) -> None:
     """Uneven T with a zero-token rank; every rank's output against the single-process reference;
-    repeat runs bitwise equal, also with rank 0 launching late; CUDA-graph capture refused, eager still fine."""
+    repeat runs bitwise equal, also with rank 0 launching late."""
     reason = _sm90_ep_skip_reason(runtime)
     if reason:
         pytest.skip(reason)
@@ -183,14 +183,125 @@ def test_sm90_ep_layer_over_nvshmem_matches_the_all_gather_oracle(runtime, routi
         layer.forward(inputs, output=again)
         layer.check_transport()
         assert torch.equal(again, out), f"run {run} differs on rank {RANK}"
-    with pytest.raises(moe.MoEEpConfigError, match="CUDA graph"):  # refused until epochs live on the device
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            layer.forward(inputs, output=torch.empty_like(out))
-    dist.barrier(group=runtime.group)
-    layer.forward(inputs, output=out)  # still usable eagerly
-    layer.check_transport()
     dist.barrier(group=runtime.group)
     layer.destroy()
+
+
+@pytest.mark.parametrize("routing", ["uniform"])
+def test_sm90_ep_layer_graph_replays_with_other_live_token_counts(runtime, routing: str) -> None:
+    """One CUDA graph per rank, captured with capacity-row buffers and a device-side live count
+    (``MoEEpTensors.num_tokens``), replayed with other uneven counts (a zero-token rank included):
+    the live rows match the oracle, the rows past the live count stay untouched, eager still works."""
+    reason = _sm90_ep_skip_reason(runtime)
+    if reason:
+        pytest.skip(reason)
+    g = SM90_EP_GEOMETRY
+    h, i, k, cap = g["hidden_size"], g["intermediate_size"], g["top_k"], SM90_EP_MAX_TOKENS
+    e = g["experts_per_rank"] * WORLD
+    dev = runtime.device
+    e_local = e // WORLD
+    experts = slice(RANK * e_local, (RANK + 1) * e_local)
+    w13, w2, _, _, _ = _global_case(3000, [1] * WORLD, e, h, i, k, routing)
+    layer = moe.MoEEpLayer(
+        moe.BootstrapConfig(world_size=WORLD, rank=RANK, device=dev, process_group=runtime.group),
+        moe.FleetParams(e, cap, h),
+        moe.MoEWeightPack(w13[experts].contiguous().to(dev), w2[experts].contiguous().to(dev)),
+        backend=moe.MegaConfig(moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(h, i, e, k)),
+        check_values=False,
+    )
+    layer.warmup()
+    x_buf = torch.zeros(cap, h, dtype=torch.bfloat16, device=dev)
+    ids_buf = torch.zeros(cap, k, dtype=torch.int32, device=dev)
+    w_buf = torch.zeros(cap, k, dtype=torch.float32, device=dev)
+    live = torch.full((1,), cap, dtype=torch.int32, device=dev)
+    out = torch.empty(cap, h, dtype=torch.bfloat16, device=dev)
+    static = moe.MoEEpTensors(x_buf, ids_buf, w_buf, num_tokens=live)
+    dist.barrier(group=runtime.group)
+    layer.forward(static, output=out)  # eager with the live count: every rank, before the capture
+    layer.check_transport()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        layer.forward(static, output=out)  # captured: no rank runs anything here
+    torch.cuda.synchronize()
+    for case, seed in enumerate((3100, 3200, 3300)):
+        tokens = [(11 * (r + 1) + 17 * case) % (cap + 1) for r in range(WORLD)]
+        tokens[case % WORLD] = 0
+        _, _, x, ids, w = _global_case(seed, tokens, e, h, i, k, routing)
+        mine = slice(sum(tokens[:RANK]), sum(tokens[: RANK + 1]))
+        t = tokens[RANK]
+        x_buf.normal_()  # garbage past the live rows: it must not matter
+        ids_buf.fill_(-1)
+        x_buf[:t], ids_buf[:t], w_buf[:t] = x[mine].to(dev), ids[mine].to(dev), w[mine].to(dev)
+        live.fill_(t)
+        out.fill_(float("nan"))
+        torch.cuda.synchronize()
+        dist.barrier(group=runtime.group)
+        graph.replay()
+        layer.check_transport()
+        assert bool(out[t:].isnan().all()), f"case {case}: rows past the live count were written"
+        got = _gather_rows(out[:t], tokens, runtime.group)
+        want, scale = moe_reference(x, ids, w, w13, w2, return_term_scale=True)
+        assert not bool(got.isnan().any()), f"case {case}: live rows not written"
+        mean_err, _ = relative_errors(got, want)
+        assert mean_err < 1e-2 and rounding_ulps(got, want, scale) <= 4.0, (case, mean_err)
+    replayed = out[:t].clone()
+    dist.barrier(group=runtime.group)
+    eager = layer.forward(moe.MoEEpTensors(x[mine].to(dev), ids[mine].to(dev), w[mine].to(dev)))
+    layer.check_transport()
+    assert torch.equal(eager, replayed), "eager after the replays differs from the last replay"
+    dist.barrier(group=runtime.group)
+    del graph
+    layer.destroy()
+
+
+def test_sm90_ep_layer_knobs_auto_over_nvshmem(runtime, tmp_path) -> None:
+    """``knobs="auto"``: every rank's warmup tunes in lockstep; all ranks apply the same winner, the
+    tuned layer matches the oracle, and rank 0 recorded the winner under this world size."""
+    reason = _sm90_ep_skip_reason(runtime)
+    if reason:
+        pytest.skip(reason)
+    from flashinfer.moe_ep.backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl import ep_tuning
+    from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
+
+    os.environ["FLASHINFER_MOE_EP_KNOB_CACHE"] = str(tmp_path / f"knobs-{RANK}.json")
+    g = SM90_EP_GEOMETRY
+    h, i, k = g["hidden_size"], g["intermediate_size"], g["top_k"]
+    e = g["experts_per_rank"] * WORLD
+    tokens = [(23 * (r + 1)) % SM90_EP_MAX_TOKENS + 1 for r in range(WORLD)]
+    w13, w2, x, ids, w = _global_case(4000, tokens, e, h, i, k, "uniform")
+    dev = runtime.device
+    e_local = e // WORLD
+    mine = slice(sum(tokens[:RANK]), sum(tokens[: RANK + 1]))
+    experts = slice(RANK * e_local, (RANK + 1) * e_local)
+    layer = moe.MoEEpLayer(
+        moe.BootstrapConfig(world_size=WORLD, rank=RANK, device=dev, process_group=runtime.group),
+        moe.FleetParams(e, SM90_EP_MAX_TOKENS, h),
+        moe.MoEWeightPack(w13[experts].contiguous().to(dev), w2[experts].contiguous().to(dev)),
+        backend=moe.MegaConfig(moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(h, i, e, k, knobs="auto")),
+        check_values=False,
+    )
+    layer.warmup()  # collective: the autotune
+    assert sorted(layer._backend.tune_results) == sorted(b.name for b in layer._backend.buckets)
+    tiles = [v for fe in layer._backend.by_bucket.values() for v in drop.ep_tile_knobs(fe.knobs).values()]
+    winner = torch.tensor(tiles, device=dev)
+    gathered = [torch.empty_like(winner) for _ in range(WORLD)]
+    dist.all_gather(gathered, winner, group=runtime.group)
+    assert all(torch.equal(gw, winner) for gw in gathered), "ranks applied different winners"
+    dist.barrier(group=runtime.group)
+    out = layer.forward(moe.MoEEpTensors(x[mine].to(dev), ids[mine].to(dev), w[mine].to(dev)))
+    layer.check_transport()
+    got = _gather_rows(out, tokens, runtime.group)
+    want, scale = moe_reference(x, ids, w, w13, w2, return_term_scale=True)
+    assert relative_errors(got, want)[0] < 1e-2 and rounding_ulps(got, want, scale) <= 4.0
+    if RANK == 0:
+        context = ep_tuning.ep_context(torch.device(dev), WORLD, loopback=False)
+        for name, fe in layer._backend.by_bucket.items():
+            assert ep_tuning.cached_ep_knobs(fe.geometry, context, name) == drop.ep_tile_knobs(fe.knobs)
+    dist.barrier(group=runtime.group)
+    layer.destroy()
+    del os.environ["FLASHINFER_MOE_EP_KNOB_CACHE"]
 
 
 def test_nvshmem_symmetric_buffers_reach_every_peer(runtime) -> None:

@@ -83,6 +83,18 @@ def check_forward_inputs(
     return t
 
 
+def check_live_tokens(num_tokens: object, t: int, device: torch.device, read_value: bool) -> int | None:
+    """``MoEEpTensors.num_tokens``: an int32 tensor of one element on ``device``. With ``read_value``
+    (synchronizes the device) its value must lie in [0, t] and is returned; else None."""
+    check_tensor("num_tokens", num_tokens, shape=(1,), dtype=torch.int32, device=device)
+    if not read_value:
+        return None
+    live = int(num_tokens.item())  # type: ignore[union-attr]
+    if not 0 <= live <= t:
+        raise MoEEpInputError(f"num_tokens holds {live}, outside [0, {t}] (T = the rows of hidden_states)")
+    return live
+
+
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 

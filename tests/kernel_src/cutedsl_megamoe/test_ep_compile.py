@@ -35,9 +35,11 @@ def test_ep_r2_k1_compiles_and_exports(tmp_path: Path) -> None:
     assert b"__tvm_ffi_ep_r2_k1" in lib.read_bytes()
     rec = json.loads((tmp_path / "manifest.json").read_text())["ep_r2_k1"]
     assert rec["world_size"] == 2 and rec["top_k"] == 1
-    # 6 problem tensors, 7 symmetric buffers, 7 pointer tables, 6 local buffers, abort, 4 scalars
+    # 6 problem tensors + live_tokens, 7 symmetric buffers, 7 pointer tables, 7 local buffers (with the
+    # device-side epoch state), abort, 2 scalars: nothing that changes per forward is a scalar
     assert len(rec["args"]) == 31
-    assert rec["args"][-5:] == ["abort", "rank", "epoch", "prev_epoch", "timeout_ns"]
+    assert rec["args"][6] == "live_tokens" and "ep_state" in rec["args"]
+    assert rec["args"][-3:] == ["abort", "rank", "timeout_ns"]
     sym = [n for n, _, _ in rec["sym_specs"]]
     assert [b for _, b in rec["tables"]] == [n for n in sym]
 
@@ -57,3 +59,16 @@ def test_ep_knobs_take_tile_overrides_and_refuse_the_rest() -> None:
         drop.Bf16EpFrontend(g, drop.default_bf16_ep_knobs(g, 2, 2, {"tile_m": 256, "fc1_tile_n": 256})).check()
     with pytest.raises(ValueError, match="fc2_tile_n"):  # H = 256 does not divide by 192
         drop.Bf16EpFrontend(g, drop.default_bf16_ep_knobs(g, 2, 2, {"fc2_tile_n": 192})).check()
+
+
+def test_ep_autotune_candidates_are_valid_distinct_and_start_with_the_defaults() -> None:
+    g = drop.Geometry(7168, 2048, 256, 8, "swiglu", None)  # deepseek-v3, global experts
+    cands = drop.ep_candidates(g, 8, 1)
+    assert cands[0] == drop.default_bf16_ep_knobs(g, 8, 1)
+    assert len(set(cands)) == len(cands) >= 2
+    for knobs in cands:
+        drop.Bf16EpFrontend(g, knobs).check()
+        assert (knobs.world_size, knobs.ranks_per_gpu) == (8, 1)
+    assert {k.tile_m for k in cands} == {64, 128}
+    odd = drop.Geometry(320, 192, 16, 4, "swiglu", None)  # N tiles must divide 384 and 320
+    assert all(384 % k.fc1_tile_n == 0 and 320 % k.fc2_tile_n == 0 for k in drop.ep_candidates(odd, 2, 2))

@@ -27,6 +27,9 @@ class MegaKernelBackend(abc.ABC):
     #: hidden / intermediate sizes must be multiples of these (kernel tile and vector constraints).
     hidden_alignment: ClassVar[int] = 1
     intermediate_alignment: ClassVar[int] = 1
+    #: True: ``compute`` passes ``MoEEpTensors.num_tokens`` to the device (graph-replayable live counts);
+    #: False: the layer reads it on the host and hands ``compute`` the live rows only.
+    device_live_tokens: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -10,7 +10,16 @@ from .shim import autotune, comm, frontend, kernel_cache, kernel_helpers, knob_c
 from .shim._paths import SRC_DIR
 from .shim.audit import audit_src
 from .shim.bf16 import Bf16Frontend, Bf16Knobs, default_bf16_knobs
-from .shim.bf16_ep import EP_TILE_KNOBS, Bf16EpFrontend, Bf16EpKnobs, EpRankState, default_bf16_ep_knobs
+from .shim.bf16_ep import (
+    EP_KNOB_FAMILY,
+    EP_TILE_KNOBS,
+    Bf16EpFrontend,
+    Bf16EpKnobs,
+    EpRankState,
+    default_bf16_ep_knobs,
+    ep_candidates,
+    ep_tile_knobs,
+)
 from .shim.drop_update import NEXT_STEPS, update_drop
 from .shim.frontend import (
     ARCH,
@@ -30,6 +39,7 @@ __all__ = [
     "ARCH",
     "Bf16EpFrontend",
     "Bf16EpKnobs",
+    "EP_KNOB_FAMILY",
     "EP_TILE_KNOBS",
     "Bf16Frontend",
     "Bf16Knobs",
@@ -49,6 +59,8 @@ __all__ = [
     "comm",
     "EpRankState",
     "default_bf16_ep_knobs",
+    "ep_candidates",
+    "ep_tile_knobs",
     "default_bf16_knobs",
     "default_quant_knobs",
     "dsl_available",

@@ -4,7 +4,7 @@ arena, pointer tables, local workspace, abort word, epochs)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,11 @@ class Bf16EpKnobs:
 #: the EP knobs a config may set (``world_size``, ``ranks_per_gpu`` come from the bootstrap, the grid
 #: from the device)
 EP_TILE_KNOBS = ("tile_m", "fc1_tile_n", "fc2_tile_n")
+#: the knob-cache family of the EP kernel (its buckets: ``tuner.TOKEN_BUCKETS`` over the global T)
+EP_KNOB_FAMILY = "moe_bf16_ep"
+#: autotune value sets (every valid combination is a candidate)
+EP_TILE_M_VALUES = (64, 128)
+EP_TILE_N_VALUES = (64, 128, 256)
 
 
 def default_bf16_ep_knobs(
@@ -49,6 +54,31 @@ def default_bf16_ep_knobs(
     fc1_n = 2 * geometry.intermediate if gated else geometry.intermediate
     base = {"fc1_tile_n": widest_tile(fc1_n, 128), "fc2_tile_n": widest_tile(geometry.hidden, 128)}
     return Bf16EpKnobs(world_size=world_size, ranks_per_gpu=ranks_per_gpu, **{**base, **(overrides or {})})
+
+
+def ep_candidates(geometry: Geometry, world_size: int, ranks_per_gpu: int) -> list[Bf16EpKnobs]:
+    """Every valid EP tile combination (``Bf16EpFrontend.check``), the defaults first (the incumbent)."""
+    default = default_bf16_ep_knobs(geometry, world_size, ranks_per_gpu)
+    out = [default]
+    for tile_m in EP_TILE_M_VALUES:
+        for fc1 in EP_TILE_N_VALUES:
+            for fc2 in EP_TILE_N_VALUES:
+                knobs = default_bf16_ep_knobs(
+                    geometry, world_size, ranks_per_gpu, {"tile_m": tile_m, "fc1_tile_n": fc1, "fc2_tile_n": fc2}
+                )
+                if knobs in out:
+                    continue
+                try:
+                    Bf16EpFrontend(geometry, knobs).check()
+                except ValueError:
+                    continue
+                out.append(knobs)
+    return out
+
+
+def ep_tile_knobs(knobs: Bf16EpKnobs) -> dict[str, int]:
+    """The tunable part of ``knobs`` (what the knob cache records)."""
+    return {name: getattr(knobs, name) for name in EP_TILE_KNOBS}
 
 
 class Bf16EpFrontend(Bf16Frontend):
@@ -95,29 +125,58 @@ class Bf16EpFrontend(Bf16Frontend):
         ]  # fmt: skip
 
 
+def merge_specs(spec_lists: list[list[Any]]) -> list[Any]:
+    """Buffer specs that serve every list: same names in the first list's order, each extent the
+    largest of any list (kernels of several token buckets share one state; a larger buffer is fine)."""
+    merged = list(spec_lists[0])
+    for specs in spec_lists[1:]:
+        by_name = {s.name: s for s in specs}
+        if set(by_name) != {s.name for s in merged}:
+            raise ValueError("EP kernels with different buffer sets cannot share one state")
+        for i, s in enumerate(merged):
+            o = by_name[s.name]
+            if o.dtype != s.dtype or len(o.shape) != len(s.shape):
+                raise ValueError(f"buffer {s.name!r} differs in dtype or rank between EP kernels")
+            merged[i] = replace(s, shape=tuple(max(a, b) for a, b in zip(s.shape, o.shape, strict=True)))
+    return merged
+
+
 class EpRankState:
-    """One rank's EP state: symmetric arena + tables, local workspace, abort word, epochs.
+    """One rank's EP state: symmetric arena + tables, local workspace (with the device-side epoch
+    state ``ep_state``), abort word and its host copy.
 
     ``provider``: a symmetric-buffer provider (``comm.make_provider``). Construct every rank's state
-    before any rank's first forward (the flags must be zero before anyone signals).
+    before any rank's first forward (the flags must be zero before anyone signals). Nothing of a
+    forward lives on the host, so ``launch`` may be captured in a CUDA graph and replayed. ``others``:
+    more frontends (token buckets) whose kernels use this state too (buffers sized for all).
     """
 
-    def __init__(self, frontend: Bf16EpFrontend, provider: Any, rank: int, max_tokens: int, device: torch.device):
+    def __init__(
+        self,
+        frontend: Bf16EpFrontend,
+        provider: Any,
+        rank: int,
+        max_tokens: int,
+        device: torch.device,
+        others: tuple[Bf16EpFrontend, ...] = (),
+    ):
         self.frontend, self.rank, self.device = frontend, rank, device
-        self.sym_specs = frontend.symmetric_specs(max_tokens)
+        fronts = [frontend, *others]
+        self.sym_specs = merge_specs([f.symmetric_specs(max_tokens) for f in fronts])
         try:
             self.host = kh.SymBufferHost(provider, self.sym_specs)
         except (RuntimeError, MemoryError) as exc:
             raise MemoryError(comm.heap_too_small_message(self.sym_specs, frontend.knobs.world_size, exc)) from exc
         self.host.buffers["flags"].zero_()
-        self.local = [
-            torch.zeros(s.shape, dtype=_TORCH[s.dtype], device=device) for s in frontend.workspace_spec(max_tokens)
-        ]
+        specs = merge_specs([f.workspace_spec(max_tokens) for f in fronts])
+        self.local = [torch.zeros(s.shape, dtype=_TORCH[s.dtype], device=device) for s in specs]
+        self.ep_state = self.local[[s.name for s in specs].index("ep_state")]
         self.abort = torch.zeros(kh.ep_workspace.ABORT_LEN, dtype=torch.int32, device=device)
         self.abort_host = torch.zeros(kh.ep_workspace.ABORT_LEN, dtype=torch.int32, pin_memory=device.type == "cuda")
         self.abort_event: torch.cuda.Event | None = None
-        self.epoch = 0
-        self.prev_epoch = 0  # 0: skip the buffer-reuse wait (first forward, or after a host sync)
+        self.captured = False  # a launch was captured: replays update abort_host without an event
+        # live_tokens when the caller gives none: row t holds t (a view, so no launch per forward)
+        self.counts = torch.arange(max(1, max_tokens) + 1, dtype=torch.int32, device=device)
         self._tables: list[torch.Tensor] | None = None
 
     def tables(self) -> list[torch.Tensor]:
@@ -125,26 +184,43 @@ class EpRankState:
             self._tables = [self.host.peer_table(buf) for _, buf in kh.ep_workspace.EP_TABLES]
         return self._tables
 
-    def launch(self, x, topk_ids, topk_weights, w13, w2, out, timeout_ns: int) -> torch.Tensor:
-        """Enqueue one forward on the current stream; the abort word is copied back asynchronously."""
-        fn = self.frontend.load()
-        self.epoch += 1
-        self.abort.zero_()
+    def launch(
+        self,
+        fn: Any,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        out: torch.Tensor,
+        timeout_ns: int,
+        live_tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Enqueue one forward with ``fn`` (the loaded kernel of the caller's frontend: layers sharing
+        this state have equal kernels) on the current stream (capturable); the abort word is copied
+        back asynchronously. ``live_tokens``: int32 [1] device tensor, default ``x.shape[0]``."""
+        if live_tokens is None:
+            live_tokens = self.counts[x.shape[0] : x.shape[0] + 1]
         sym = [self.host.buffers[s.name] for s in self.sym_specs]
-        fn(x, topk_ids, topk_weights, w13, w2, out, *sym, *self.tables(), *self.local, self.abort, self.rank,
-           self.epoch, self.prev_epoch, timeout_ns)  # fmt: skip
+        fn(x, topk_ids, topk_weights, w13, w2, out, live_tokens, *sym, *self.tables(), *self.local, self.abort,
+           self.rank, timeout_ns)  # fmt: skip
         self.abort_host.copy_(self.abort, non_blocking=True)
-        self.abort_event = torch.cuda.Event()
-        self.abort_event.record()
-        self.prev_epoch = self.epoch
+        if torch.cuda.is_current_stream_capturing():
+            self.captured, self.abort_event = True, None
+        else:
+            self.abort_event = torch.cuda.Event()
+            self.abort_event.record()
         return out
 
     def poll_abort(self, wait: bool) -> tuple[int, int, int] | None:
         """(stage, peer, epoch) if the last forward aborted; None if it did not (or, without ``wait``,
-        if it has not finished yet). After an abort the next forward skips the buffer-reuse wait."""
+        if it has not finished yet). After a captured launch, ``wait`` synchronizes the device (the
+        last replay wrote ``abort_host``)."""
         if self.abort_event is None:
-            return None
-        if wait:
+            if not (wait and self.captured):
+                return None
+            torch.cuda.synchronize(self.device)
+        elif wait:
             self.abort_event.synchronize()
         elif not self.abort_event.query():
             return None
@@ -152,14 +228,19 @@ class EpRankState:
         flag, stage, peer, epoch = (int(v) for v in self.abort_host.tolist())
         if flag == 0:
             return None
-        self.prev_epoch = 0
         return stage, peer, epoch
 
+    def device_epoch(self) -> int:
+        """The epoch of the last forward begun on this rank (reads the device)."""
+        return int(self.ep_state[kh.ep_workspace.STATE_EPOCH].item())
+
     def resync(self, epoch: int) -> None:
-        """After a failed forward (host synchronized): continue from ``epoch``, the largest epoch of any
-        rank, so the next forward's flags (epoch + 1) are newer than anything the failed one wrote."""
-        self.epoch = epoch
-        self.prev_epoch = 0  # every rank is idle now: nobody still reads our buffers
+        """After a failed forward, with every rank idle: continue after ``epoch`` (the largest epoch of
+        any rank) and skip the next reuse wait (``ep_workspace.resync_state``)."""
+        state = kh.ep_workspace.resync_state(epoch)
+        self.ep_state.copy_(torch.tensor(state, dtype=torch.int32))
+        torch.cuda.synchronize(self.device)
+        self.abort_host.zero_()
         self.abort_event = None
 
     @staticmethod
@@ -171,4 +252,14 @@ class EpRankState:
         self.local = []
 
 
-__all__ = ["EP_TILE_KNOBS", "Bf16EpFrontend", "Bf16EpKnobs", "EpRankState", "default_bf16_ep_knobs"]
+__all__ = [
+    "EP_KNOB_FAMILY",
+    "EP_TILE_KNOBS",
+    "Bf16EpFrontend",
+    "Bf16EpKnobs",
+    "EpRankState",
+    "default_bf16_ep_knobs",
+    "ep_candidates",
+    "ep_tile_knobs",
+    "merge_specs",
+]

@@ -110,6 +110,9 @@ class KernelFrontend(abc.ABC):
         prepare_compile_env(self.arch)
         return kernel_cache.store(key, self._export, root)
 
+    def is_loaded(self) -> bool:
+        return self._fn is not None
+
     def load(self, root: Path | None = None, *, allow_compile: bool = True) -> Callable[..., Any]:
         """The launch function: from the cache, else compiled now when CuTe DSL is importable."""
         if self._fn is not None:

@@ -1,6 +1,7 @@
 """The SM90 BF16 backend at world_size > 1 through the public layer API, with loopback ranks on one GPU
 (marked ``gpu``): every rank's output against the single-process reference on the same global inputs,
-repeatability, and a forced timeout that raises ``MoEEpTransportError``. Not a performance test.
+repeatability, a forced timeout that raises ``MoEEpTransportError``, CUDA-graph replays with other live
+token counts. Not a performance test.
 
 Run it in its own pytest process (it sets ``CUDA_DEVICE_MAX_CONNECTIONS`` before CUDA starts, so the
 ranks' streams do not share one hardware queue). Kernels: ``scripts/gpu_session.py build``.
@@ -37,11 +38,12 @@ def _config(knobs: dict | None = None) -> moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMo
     return moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(**EP_GEOMETRY, knobs=knobs)
 
 
-def _world(world: int, timeout_s: float = 2.0, knobs: dict | None = None):
-    cfg = _config(knobs)
-    g = torch.Generator().manual_seed(world)
+def _world(world: int, timeout_s: float = 2.0, knobs: dict | str | None = None, warm: bool = True, *, group=None,
+           seed: int | None = None, share: bool = True, max_tokens: int = 256):  # fmt: skip
+    cfg = _config(knobs).replace(share_workspace=share)
+    g = torch.Generator().manual_seed(world if seed is None else seed)
     w13, w2 = make_expert_weights(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, generator=g, device="cuda")
-    group = moe.make_loopback_group(world, "cuda")
+    group = moe.make_loopback_group(world, "cuda") if group is None else group
     e_loc = cfg.num_experts // world
     layers = [
         moe.MoEEpLayer(
@@ -53,7 +55,7 @@ def _world(world: int, timeout_s: float = 2.0, knobs: dict | None = None):
                 loopback_group=group,
                 transport_timeout_s=timeout_s,
             ),
-            moe.FleetParams(cfg.num_experts, EP_MAX_TOKENS, cfg.hidden_size),
+            moe.FleetParams(cfg.num_experts, max_tokens, cfg.hidden_size),
             moe.MoEWeightPack(
                 w13[r * e_loc : (r + 1) * e_loc].contiguous(), w2[r * e_loc : (r + 1) * e_loc].contiguous()
             ),
@@ -62,7 +64,7 @@ def _world(world: int, timeout_s: float = 2.0, knobs: dict | None = None):
         )
         for r in range(world)
     ]
-    for layer in layers:
+    for layer in layers if warm else ():
         layer.warmup()
     streams = [torch.cuda.Stream() for _ in range(world)]
     for s in streams:  # load the sleep kernel now: a lazy load inside a forward would block the host
@@ -147,9 +149,57 @@ def test_missing_rank_raises_transport_error_then_recovers() -> None:
         layer.destroy()
 
 
-def test_ep_layer_refuses_autotune_and_unknown_knobs() -> None:
+#: world size and capacity of the knobs="auto" test (two token buckets: decode and mid; its candidates
+#: are prebuilt by gpu_session.py)
+EP_AUTO_WORLD = 2
+EP_AUTO_MAX_TOKENS = 512
+
+
+def test_knobs_auto_tunes_every_loopback_rank_together(tmp_path, monkeypatch) -> None:
+    """``knobs="auto"``: the first rank's warmup tunes every token bucket of the whole loopback group
+    (the largest first; the others keep its FC1 tile, the weight layout), every rank applies the same
+    winners, they are recorded under the loopback context, the tuned layers are correct in both buckets,
+    and a later layer with ``knobs=None`` reads the recorded knobs."""
+    from flashinfer.moe_ep.backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl import ep_tuning
+    from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
+
+    monkeypatch.setenv("FLASHINFER_MOE_EP_KNOB_CACHE", str(tmp_path / "knobs.json"))
+    cfg, w13, w2, layers, streams = _world(EP_AUTO_WORLD, knobs="auto", max_tokens=EP_AUTO_MAX_TOKENS)
+    backends = [layer._backend for layer in layers]
+    results = backends[0].tune_results
+    assert sorted(results) == ["decode", "mid"] and all(not be.auto_pending for be in backends)
+    geometry = backends[0].frontend.geometry
+    for name, result in results.items():
+        assert all(be.by_bucket[name].knobs == result.winner for be in backends)
+        assert sum(row.ok for row in result.table) >= 2 and result.table[0].ok  # the incumbent ran too
+        drop.Bf16EpFrontend(geometry, result.winner).check()
+        print(f"EP autotune (loopback) {name}:", drop.ep_tile_knobs(result.winner), f"{result.winner_ms:.3f} ms",
+              f"{len(result.table)} candidates")  # fmt: skip
+    assert results["decode"].winner.fc1_tile_n == results["mid"].winner.fc1_tile_n
+    g = torch.Generator().manual_seed(21)
+    for tokens in ([100, 256], [512, 300]):  # decode, then mid (global T 356 / 812)
+        inputs = _rank_inputs(cfg, g, tokens)
+        outs = _forward(layers, streams, inputs)
+        for layer in layers:
+            layer.check_transport()
+        _assert_matches_reference(inputs, outs, w13, w2)
+    real = ep_tuning.ep_context(torch.device("cuda"), EP_AUTO_WORLD, loopback=False)
+    context = ep_tuning.ep_context(torch.device("cuda"), EP_AUTO_WORLD, loopback=True)
+    for name, result in results.items():
+        assert ep_tuning.cached_ep_knobs(geometry, context, name) == drop.ep_tile_knobs(result.winner)
+        assert ep_tuning.cached_ep_knobs(geometry, real, name) is None
+    for layer in layers:
+        layer.destroy()
+    _, _, _, again, _ = _world(EP_AUTO_WORLD, max_tokens=EP_AUTO_MAX_TOKENS)  # knobs=None: the knob cache
+    assert all(set(layer._backend.knob_sources.values()) == {"knob cache"} for layer in again)
+    assert again[0]._backend.by_bucket["mid"].knobs == results["mid"].winner
+    for layer in again:
+        layer.destroy()
+
+
+def test_ep_layer_refuses_unknown_knobs() -> None:
     group = moe.make_loopback_group(2, "cuda")
-    for knobs, match in (("auto", "no autotune"), ({"cluster_m": 2}, "unknown EP knob")):
+    for knobs, match in (("fast", "takes knobs=None"), ({"cluster_m": 2}, "unknown EP knob")):
         cfg = _config(knobs)
         w13, w2 = make_expert_weights(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, device="cuda")
         with pytest.raises(moe.MoEEpConfigError, match=match):
@@ -163,16 +213,97 @@ def test_ep_layer_refuses_autotune_and_unknown_knobs() -> None:
             )
 
 
-def test_graph_capture_is_refused_and_the_layer_stays_usable() -> None:
-    cfg, w13, w2, layers, streams = _world(2)
-    inputs = _rank_inputs(cfg, torch.Generator().manual_seed(5), [9, 9])
-    x, ids, w = inputs[0]
-    with pytest.raises(moe.MoEEpConfigError, match="CUDA graph"):
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            layers[0].forward(moe.MoEEpTensors(x, ids, w), output=torch.empty_like(x))
-    outs = _forward(layers, streams, inputs)  # every rank, eagerly: correct
+@pytest.mark.parametrize("world", [2, 4])
+def test_graph_replays_with_other_live_token_counts(world: int) -> None:
+    """Each rank captures one CUDA graph (capacity-row buffers, device-side live count) after an eager
+    forward; replays with other uneven counts (zero-token ranks, full capacity) match the reference on
+    the live rows, leave the other rows untouched, and equal an eager forward of the same inputs."""
+    cfg, w13, w2, layers, streams = _world(world)
+    cap, h, k = EP_MAX_TOKENS, cfg.hidden_size, cfg.top_k
+
+    def buffers():
+        return (torch.zeros(cap, h, dtype=torch.bfloat16, device="cuda"),
+                torch.zeros(cap, k, dtype=torch.int32, device="cuda"),
+                torch.zeros(cap, k, dtype=torch.float32, device="cuda"),
+                torch.full((1,), cap, dtype=torch.int32, device="cuda"))  # fmt: skip
+
+    bufs = [buffers() for _ in range(world)]
+    static = [moe.MoEEpTensors(x, ids, w, num_tokens=live) for x, ids, w, live in bufs]
+    outs = [torch.empty(cap, h, dtype=torch.bfloat16, device="cuda") for _ in range(world)]
+    for r in range(world):  # eager, with the live count, on every rank before any capture
+        with torch.cuda.stream(streams[r]):
+            layers[r].forward(static[r], output=outs[r])
+    torch.cuda.synchronize()
     for layer in layers:
         layer.check_transport()
-    _assert_matches_reference(inputs, outs, w13, w2)
+    graphs = [torch.cuda.CUDAGraph() for _ in range(world)]
+    for r in range(world):
+        with torch.cuda.graph(graphs[r], stream=streams[r]):
+            layers[r].forward(static[r], output=outs[r])
+    g = torch.Generator().manual_seed(300 + world)
+    cases = [[0] + [cap] * (world - 1), [(53 * (r + 1)) % cap + 1 for r in range(world)], [1] * world]
+    for tokens in cases:
+        inputs = _rank_inputs(cfg, g, tokens)
+        for (x_buf, ids_buf, w_buf, live), (x, ids, w), out in zip(bufs, inputs, outs, strict=True):
+            t = x.shape[0]
+            x_buf.normal_()  # rows past the live count hold garbage that must not matter
+            ids_buf.fill_(-1)
+            x_buf[:t], ids_buf[:t], w_buf[:t] = x, ids, w
+            live.fill_(t)
+            out.fill_(float("nan"))
+        torch.cuda.synchronize()
+        for r in range(world):
+            with torch.cuda.stream(streams[r]):
+                graphs[r].replay()
+        torch.cuda.synchronize()
+        for layer in layers:
+            layer.check_transport()
+        for out, t in zip(outs, tokens, strict=True):
+            assert bool(out[t:].isnan().all()), f"{tokens}: rows past the live count were written"
+        live_rows = [out[:t] for out, t in zip(outs, tokens, strict=True)]
+        assert not bool(torch.cat(live_rows).isnan().any()), f"{tokens}: live rows not written"
+        _assert_matches_reference(inputs, live_rows, w13, w2)
+        eager = _forward(layers, streams, inputs)  # eager between replays: same protocol state
+        for layer in layers:
+            layer.check_transport()
+        assert all(torch.equal(a, b) for a, b in zip(eager, live_rows, strict=True)), f"{tokens}: eager != replay"
+    del graphs
+    for layer in layers:
+        layer.destroy()
+
+
+def test_layers_of_one_geometry_share_the_rank_state() -> None:
+    """Two EP layers of one geometry on the same loopback ranks share each rank's EP state (symmetric
+    arena, workspace, device epoch); a third with ``share_workspace=False`` has its own. Forwards of
+    the three, interleaved, are each correct for their own weights; recovery reaches shared state."""
+    group = moe.make_loopback_group(2, "cuda")
+    worlds = [_world(2, group=group, seed=10 + i, share=share) for i, share in enumerate((True, True, False))]
+    states = [[layer._backend.state for layer in w[3]] for w in worlds]
+    for r in range(2):
+        assert states[0][r] is states[1][r] and states[2][r] is not states[0][r]
+    g = torch.Generator().manual_seed(11)
+    for _ in range(2):
+        for cfg, w13, w2, layers, streams in worlds:
+            inputs = _rank_inputs(cfg, g, [37, 120])
+            outs = _forward(layers, streams, inputs)
+            for layer in layers:
+                layer.check_transport()
+            _assert_matches_reference(inputs, outs, w13, w2)
+    for layer in worlds[0][3]:
+        layer.destroy()
+    cfg, w13, w2, layers, streams = worlds[1]
+    inputs = _rank_inputs(cfg, g, [0, 64])
+    _assert_matches_reference(inputs, _forward(layers, streams, inputs), w13, w2)
+    for _cfg, _w13, _w2, layers, _streams in worlds[1:]:
+        for layer in layers:
+            layer.destroy()
+
+
+def test_capture_before_warmup_is_refused() -> None:
+    cfg, _, _, layers, _ = _world(2, warm=False)
+    x, ids, w = _rank_inputs(cfg, torch.Generator().manual_seed(5), [9, 9])[0]
+    with pytest.raises(moe.MoEEpConfigError, match="warmup"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            layers[0].forward(moe.MoEEpTensors(x, ids, w), output=torch.empty_like(x))
     for layer in layers:
         layer.destroy()

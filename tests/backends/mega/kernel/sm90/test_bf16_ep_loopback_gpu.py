@@ -102,11 +102,13 @@ class LoopbackWorld:
         self.tables = [[h.peer_table(buf) for _, buf in rec["tables"]] for h in self.hosts]
         self.local = [[torch.zeros(tuple(s), dtype=_DT[dt], device=dev) for _, s, dt in rec["local_specs"]]
                       for _ in range(r_count)]  # fmt: skip
+        state_slot = [n for n, _, _ in rec["local_specs"]].index("ep_state")
+        self.ep_state = [local[state_slot] for local in self.local]  # device-side epochs (zeroed)
+        self.live = [torch.zeros(1, dtype=torch.int32, device=dev) for _ in range(r_count)]
         self.abort = [torch.zeros(4, dtype=torch.int32, device=dev) for _ in range(r_count)]
         self.streams = [torch.cuda.Stream() for _ in range(r_count)]
         self.sym_names = [n for n, _, _ in rec["sym_specs"]]
-        self.epoch = 0
-        self.prev_epoch = 0  # 0: skip the buffer-reuse wait (first forward, or after a host resync)
+        self.epoch = 0  # the epoch every launched rank reaches (the device counts; this mirrors it)
         self.last_enqueue_s = 0.0  # host time to enqueue every rank's chain in the last forward
         torch.cuda.synchronize()
         _preload_launch_window_kernels(self.streams)
@@ -126,8 +128,9 @@ class LoopbackWorld:
         """One forward on every rank not in ``skip``; returns (outputs, abort words, seconds)."""
         self.epoch += 1
         outs = [torch.full((x.shape[0], self.H), float("nan"), dtype=torch.bfloat16, device="cuda") for x in xs]
-        for a in self.abort:
-            a.zero_()
+        for a, live, x in zip(self.abort, self.live, xs, strict=True):
+            a.fill_(7)  # kernel 0 of every launched rank clears it
+            live.fill_(x.shape[0])
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for r in range(self.R):
@@ -137,16 +140,22 @@ class LoopbackWorld:
                 if skew_cycles is not None and skew_cycles[r]:
                     torch.cuda._sleep(int(skew_cycles[r]))
                 h = self.hosts[r]
-                self.fn(xs[r], ids[r], ws[r], self.w13_r[r], self.w2_r[r], outs[r],
+                self.fn(xs[r], ids[r], ws[r], self.w13_r[r], self.w2_r[r], outs[r], self.live[r],
                         *[h.buffers[n] for n in self.sym_names], *self.tables[r], *self.local[r],
-                        self.abort[r], r, self.epoch, self.prev_epoch, timeout_ns)  # fmt: skip
+                        self.abort[r], r, timeout_ns)  # fmt: skip
         self.last_enqueue_s = time.perf_counter() - t0  # ~ms; ~timeout if a launch blocked the host
         torch.cuda.synchronize()
         secs = time.perf_counter() - t0
         aborts = [a.tolist() for a in self.abort]
-        ok = not skip and all(a[0] == 0 for a in aborts)
-        # After an abort the host has just synchronized every rank: the next forward skips the wait.
-        self.prev_epoch = self.epoch if ok else 0
+        for r in range(self.R):
+            if r not in skip:
+                assert int(self.ep_state[r][kh.ep_workspace.STATE_EPOCH]) == self.epoch, f"rank {r} epoch"
+        if skip or any(a[0] != 0 for a in aborts):
+            # recovery, as the layer's recover_transport: every rank idle (synchronized above), all
+            # continue after the largest epoch and skip the next reuse wait
+            state = torch.tensor(kh.ep_workspace.resync_state(self.epoch), dtype=torch.int32)
+            for s in self.ep_state:
+                s.copy_(state)
         return outs, aborts, secs
 
     def reference(self, xs, ids, ws):

@@ -182,3 +182,50 @@ def test_cuda_graph_per_token_bucket() -> None:
             out.fill_(float("nan"))
             graph.replay()
             assert torch.equal(out, layer.forward(fresh)), (rnd, t)
+
+
+def test_live_token_count_is_read_on_the_host_at_world_size_1() -> None:
+    """World size 1 takes ``num_tokens`` eagerly (read on the host: the live rows equal a forward on
+    them alone, the rest stay untouched) and refuses it inside a CUDA graph, which could not replay it."""
+    layer, cfg, _, _ = _layer("qwen3-30b-a3b")
+    inp = _inputs(cfg, 40, "uniform", seed=41)
+    inp.num_tokens = torch.tensor([23], dtype=torch.int32, device="cuda")
+    out = torch.full((40, cfg.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
+    layer.forward(inp, output=out)
+    alone = layer.forward(moe.MoEEpTensors(inp.hidden_states[:23], inp.topk_ids[:23], inp.topk_weights[:23]))
+    assert torch.equal(out[:23], alone)
+    assert bool(out[23:].isnan().all())
+    with pytest.raises(moe.MoEEpConfigError, match="one graph per token count"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            layer.forward(inp, output=out)
+    assert torch.equal(layer.forward(moe.MoEEpTensors(inp.hidden_states[:23], inp.topk_ids[:23],
+                                                      inp.topk_weights[:23])), alone)  # fmt: skip
+
+
+def test_layers_of_one_geometry_share_one_workspace_unless_told_not_to() -> None:
+    """Two layers of one geometry share the pooled workspace (refcounted); ``share_workspace=False``
+    gets its own. Forwards of the three, interleaved, each match their own weights."""
+    from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import comm
+
+    base = dict(GPU_VARIANTS)["small-swiglu"]
+    layers = []
+    for i, share in enumerate((True, True, False)):
+        cfg = base.replace(share_workspace=share)
+        g = torch.Generator().manual_seed(900 + i)
+        w13, w2 = make_expert_weights(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, generator=g,
+                                      device="cuda")  # fmt: skip
+        layer = moe.MoEEpLayer(moe.BootstrapConfig(device="cuda"), moe.FleetParams(cfg.num_experts, 512,
+                               cfg.hidden_size), moe.MoEWeightPack(w13, w2), backend=moe.MegaConfig(cfg))  # fmt: skip
+        layers.append((layer, cfg, w13, w2))
+    keys = [layer._backend._workspace_key for layer, *_ in layers]
+    assert keys[0] == keys[1] != keys[2]
+    assert comm.WORKSPACES.refcount(keys[0]) == 2 and comm.WORKSPACES.refcount(keys[2]) == 1
+    for rnd in range(2):
+        for j, (layer, cfg, w13, w2) in enumerate(layers):
+            _check(layer, cfg, w13, w2, _inputs(cfg, 300 + 7 * j, "uniform", seed=50 * rnd + j))
+    layers[0][0].destroy()
+    assert comm.WORKSPACES.refcount(keys[0]) == 1
+    _check(*layers[1], _inputs(base, 77, "skewed", seed=3))
+    for layer, *_ in layers[1:]:
+        layer.destroy()
+    assert comm.WORKSPACES.refcount(keys[0]) == 0 and comm.WORKSPACES.refcount(keys[2]) == 0

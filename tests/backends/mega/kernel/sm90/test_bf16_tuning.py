@@ -65,3 +65,38 @@ def test_tune_without_a_gpu_names_what_is_missing(capsys) -> None:
     assert cli_main(["tune", "--contract", "tiny", "--max-tokens", "8", "512"]) == 2
     err = capsys.readouterr().err
     assert "tune times kernels on the GPU" in err and "a visible CUDA GPU" in err
+
+
+def test_ep_knob_cache_round_trip_is_keyed_by_world_size_and_loopback(tmp_path) -> None:
+    """What ``knobs="auto"`` at world size > 1 records is found again only for the same world size and the
+    same kind of ranks (a loopback tuning never serves ranks on separate GPUs)."""
+    from flashinfer.moe_ep.backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl import ep_tuning
+    from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
+
+    g = drop.Geometry(256, 128, 16, 4, "swiglu", None)
+    path = tmp_path / "knobs.json"
+    winner = drop.default_bf16_ep_knobs(g, 2, 1, {"tile_m": 128, "fc1_tile_n": 256})
+    real = ep_tuning.tune_context_named("NVIDIA H200", 2)
+    loop = ep_tuning.tune_context_named("NVIDIA H200" + ep_tuning.LOOPBACK_SUFFIX, 2)
+    ep_tuning.record_ep_knobs(g, real, "mid", winner, 1.5, 256, path)
+    assert ep_tuning.cached_ep_knobs(g, real, "mid", path) == {"tile_m": 128, "fc1_tile_n": 256, "fc2_tile_n": 128}
+    assert ep_tuning.cached_ep_knobs(g, real, "decode", path) is None
+    assert ep_tuning.cached_ep_knobs(g, loop, "mid", path) is None
+    assert ep_tuning.cached_ep_knobs(g, ep_tuning.tune_context_named("NVIDIA H200", 4), "mid", path) is None
+    assert ep_tuning.cached_ep_knobs(g, real, "mid", tmp_path / "missing.json") is None
+
+
+def test_ep_buckets_follow_the_global_token_count() -> None:
+    """EP buckets are the world-size-1 buckets over world_size * T; every bucket is tuned at a per-rank T
+    whose global count falls inside it, largest bucket first."""
+    from flashinfer.moe_ep.backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl import ep_tuning
+    from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
+
+    assert [b.name for b in ep_tuning.ep_buckets(2, 256)] == ["decode"]
+    assert [b.name for b in ep_tuning.ep_buckets(8, 256)] == ["decode", "mid", "prefill"]
+    assert ep_tuning.bucket_of(8, 64) == drop.tuner.bucket_of(512)
+    for world, cap in ((2, 512), (4, 4096), (8, 2048), (8, 1)):
+        plan = ep_tuning.bucket_plan(world, cap)
+        assert [b.name for b, _ in plan] == [b.name for b in reversed(ep_tuning.ep_buckets(world, cap))]
+        for bucket, t in plan:
+            assert 1 <= t <= cap and ep_tuning.bucket_of(world, t) == bucket.name, (world, cap, bucket, t)

@@ -21,6 +21,7 @@ from .runtime import (
     acquire_pooled_workspace,
     load_kernel,
     make_geometry,
+    pool_owner,
     release_pooled_workspace,
     sm90_requirements,
     warmup_forward,
@@ -114,7 +115,9 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
     def allocate_workspace(self) -> None:
         """The pooled workspace (``runtime.acquire_pooled_workspace``), shared by both token buckets."""
         frontends = list(dict.fromkeys(self.frontends.values()))
-        self._workspace_key, ws_of = acquire_pooled_workspace(frontends, self.fleet.max_tokens_per_rank, self.device)
+        self._workspace_key, ws_of = acquire_pooled_workspace(
+            frontends, self.fleet.max_tokens_per_rank, self.device, pool_owner(self)
+        )
         self.workspace = {name: ws_of[id(fe)] for name, fe in self.frontends.items()}
 
     def warmup(self) -> None:

@@ -42,15 +42,23 @@ def make_geometry(config: Any, num_local_experts: int) -> Any:
     )
 
 
-def acquire_pooled_workspace(frontends: list[Any], capacity: int, device: torch.device) -> tuple[Any, dict[int, Any]]:
-    """One workspace per (kernel variants, capacity, device), shared by every layer that matches (the
-    drop's refcounted pool) and, inside a layer, by all ``frontends`` (its token buckets; each gets
-    views of its own shapes). Returns the pool key (release it in ``destroy``) and ``id(frontend)`` ->
-    its buffers."""
+def pool_owner(backend: Any) -> int | None:
+    """The pool-key part that keeps a layer's workspace private: None when it may be shared
+    (``MegaKernelConfig.share_workspace``), else the backend's identity."""
+    return None if backend.config.share_workspace else id(backend)
+
+
+def acquire_pooled_workspace(
+    frontends: list[Any], capacity: int, device: torch.device, owner: int | None = None
+) -> tuple[Any, dict[int, Any]]:
+    """One workspace per (kernel variants, capacity, device, ``owner``), shared by every layer that
+    matches (the drop's refcounted pool) and, inside a layer, by all ``frontends`` (its token buckets;
+    each gets views of its own shapes). Returns the pool key (release it in ``destroy``) and
+    ``id(frontend)`` -> its buffers."""
     from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import allocate_shared_workspace, comm
 
     digests = tuple(fe.key.digest() for fe in frontends)
-    key = (digests, capacity, str(device))
+    key = (digests, capacity, str(device), owner)
 
     def make() -> dict[str, dict[str, torch.Tensor]]:
         with torch.cuda.device(device):
@@ -93,6 +101,7 @@ def warmup_forward(backend: Any) -> None:
 
 __all__ = [
     "acquire_pooled_workspace",
+    "pool_owner",
     "load_kernel",
     "make_geometry",
     "release_pooled_workspace",

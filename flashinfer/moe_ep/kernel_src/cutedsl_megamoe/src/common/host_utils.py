@@ -47,7 +47,9 @@ def moe_bf16_workspace_spec(
     - expert_count [E+1] int32: ZERO-INITIALIZED ONCE; pairs per expert (+ a CTA done-counter)
     - cta_base [num_sms, E] int32: first slot of each routing CTA inside each expert segment
     - expert_off [E] int32: first row of each (padded) expert segment
-    - m_block_expert [M_cap/tile_m] int32: per M block, expert | (rows holding real pairs) << 16
+    - m_block_expert [M_cap/tile_m * cluster_m] int32: per M block, expert | (rows holding real
+      pairs) << 16; with ``cluster_m = 2`` the second half holds the pair table of the expert-aware
+      cluster schedule (``Sm90MegaMoEBf16Kernel.pair_by_expert``): two block indices per cluster
     - meta [4] int32: meta[0] = number of M blocks, meta[1] = number of rows (padded)
     - a_buf [M_cap, H] bf16: gathered activations, then reused for the FC2 output
     - h_buf [M_cap, I] bf16: FC1 output after the activation
@@ -59,7 +61,7 @@ def moe_bf16_workspace_spec(
         BufferSpec("expert_count", (num_experts + 1,), "int32"),
         BufferSpec("cta_base", (num_sms, num_experts), "int32"),
         BufferSpec("expert_off", (num_experts,), "int32"),
-        BufferSpec("m_block_expert", (m_cap // tile_m,), "int32"),
+        BufferSpec("m_block_expert", (m_cap // tile_m * cluster_m,), "int32"),
         BufferSpec("meta", (4,), "int32"),
         BufferSpec("a_buf", (m_cap, hidden), "bfloat16"),
         BufferSpec("h_buf", (m_cap, inter), "bfloat16"),

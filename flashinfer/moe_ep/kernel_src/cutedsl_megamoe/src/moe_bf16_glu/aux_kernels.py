@@ -35,6 +35,7 @@ def route_kernel(
     num_experts: cutlass.Constexpr[int],
     tile_m: cutlass.Constexpr[int],
     block_multiple: cutlass.Constexpr[int],
+    pair_by_expert: cutlass.Constexpr[bool],
 ):
     """Routing in one launch (grid G1, ROUTING_THREADS threads).
 
@@ -84,7 +85,9 @@ def route_kernel(
     cute.arch.sync_threads()
     if s_flag[0] == nblk - 1:
         cute.arch.fence_acq_rel_gpu()
-        _scan_experts(expert_count, expert_off, m_block_expert, meta, s_hist, num_experts, tile_m, block_multiple)
+        _scan_experts(
+            expert_count, expert_off, m_block_expert, meta, s_hist, num_experts, tile_m, block_multiple, pair_by_expert
+        )
 
 
 def chunk_size(num_pairs, num_ctas):
@@ -93,41 +96,16 @@ def chunk_size(num_pairs, num_ctas):
 
 
 @cute.jit
-def _scan_experts(
-    expert_count: cute.Tensor,
-    expert_off: cute.Tensor,
-    m_block_expert: cute.Tensor,
-    meta: cute.Tensor,
-    s_scan: cute.Tensor,
-    num_experts: cutlass.Constexpr[int],
-    tile_m: cutlass.Constexpr[int],
-    block_multiple: cutlass.Constexpr[int],
-):
-    """Padded exclusive scan over the experts (one per thread) by the last routing CTA.
-
-    With ``block_multiple = 2`` (GEMM clusters of two M blocks) an odd block count gets one
-    phantom block after the last: expert 0, no real rows, so a cluster's second CTA reads a
-    defined entry and skips its MMAs.
-    """
-    nthr = constants.ROUTING_THREADS
-    tid, _, _ = cute.arch.thread_idx()
-    cnt = cutlass.Int32(0)
-    if tid < num_experts:
-        cnt = cute.arch.load((expert_count.iterator + tid).llvm_ptr, cutlass.Int32, sem="relaxed", scope="gpu")
-        expert_count[tid] = cutlass.Int32(0)
-    if tid == 0:
-        expert_count[num_experts] = cutlass.Int32(0)
-    # Segments padded to tile_m: a GEMM M tile never straddles two experts.
-    padded = (cnt + (tile_m - 1)) // tile_m * tile_m
-    # Inclusive scan: warp shuffles, then the 32 warp totals by warp 0.
+def _cta_inclusive_scan(v: cutlass.Int32, s_scan: cute.Tensor, tid: cutlass.Int32) -> cutlass.Int32:
+    """Inclusive scan over the CTA (ROUTING_THREADS threads, all of them call it): warp shuffles, then
+    the 32 warp totals by warp 0. ``s_scan`` (32 ints) may be reused after it returns."""
     lane = tid % 32
     warp = tid // 32
-    v = padded
     for i in cutlass.range_constexpr(5):
         o = cute.arch.shuffle_sync_up(v, 1 << i)
         if lane >= (1 << i):
             v = v + o
-    cute.arch.sync_threads()  # s_scan aliases the histogram, still read above
+    cute.arch.sync_threads()  # s_scan may alias data the caller read before
     if lane == 31:
         s_scan[warp] = v
     cute.arch.sync_threads()
@@ -142,6 +120,40 @@ def _scan_experts(
     incl = v
     if warp > 0:
         incl = v + s_scan[warp - 1]
+    cute.arch.sync_threads()
+    return incl
+
+
+@cute.jit
+def _scan_experts(
+    expert_count: cute.Tensor,
+    expert_off: cute.Tensor,
+    m_block_expert: cute.Tensor,
+    meta: cute.Tensor,
+    s_scan: cute.Tensor,
+    num_experts: cutlass.Constexpr[int],
+    tile_m: cutlass.Constexpr[int],
+    block_multiple: cutlass.Constexpr[int],
+    pair_by_expert: cutlass.Constexpr[bool],
+):
+    """Padded exclusive scan over the experts (one per thread) by the last routing CTA.
+
+    With ``block_multiple = 2`` (GEMM clusters of two M blocks) an odd block count gets one
+    phantom block after the last: expert 0, no real rows, so a cluster's second CTA reads a
+    defined entry and skips its MMAs. With ``pair_by_expert`` the second half of
+    ``m_block_expert`` receives the pair table (``_write_pair_table``).
+    """
+    nthr = constants.ROUTING_THREADS
+    tid, _, _ = cute.arch.thread_idx()
+    cnt = cutlass.Int32(0)
+    if tid < num_experts:
+        cnt = cute.arch.load((expert_count.iterator + tid).llvm_ptr, cutlass.Int32, sem="relaxed", scope="gpu")
+        expert_count[tid] = cutlass.Int32(0)
+    if tid == 0:
+        expert_count[num_experts] = cutlass.Int32(0)
+    # Segments padded to tile_m: a GEMM M tile never straddles two experts.
+    padded = (cnt + (tile_m - 1)) // tile_m * tile_m
+    incl = _cta_inclusive_scan(padded, s_scan, tid)  # s_scan aliases the histogram, read above
     start = incl - padded
     if tid < num_experts:
         expert_off[tid] = start
@@ -157,6 +169,64 @@ def _scan_experts(
         if cutlass.const_expr(block_multiple > 1):
             for b in cutlass.range(num_blocks, (num_blocks + block_multiple - 1) // block_multiple * block_multiple):
                 m_block_expert[b] = cutlass.Int32(0)
+    if cutlass.const_expr(pair_by_expert):
+        _write_pair_table(m_block_expert, s_scan, tid, start // tile_m, padded // tile_m, incl // tile_m)
+
+
+@cute.jit
+def _write_pair_table(
+    m_block_expert: cute.Tensor,
+    s_scan: cute.Tensor,
+    tid: cutlass.Int32,
+    first: cutlass.Int32,
+    blocks: cutlass.Int32,
+    incl_blocks: cutlass.Int32,  # this thread's inclusive block count (the last thread's: every block)
+):
+    """The expert-aware cluster schedule: ``m_block_expert[half + 2 g + r]`` = the M block that CTA r of
+    cluster group g takes (``half`` = len / 2).
+
+    Thread e (expert e, ``blocks`` M blocks from ``first``) owns ``blocks // 2`` shared pairs (two
+    blocks of e: one weight tile for both) and, for an odd count, one leftover block. Leftovers pair
+    up in expert order (two experts: unshared); an odd leftover count ends with the phantom block.
+    Groups run in expert order: expert e's shared pairs, then the leftover pair that e's leftover
+    opens, so every group's weights are read close in time to the other groups of its experts (L2
+    reuse). The group count is ceil(blocks / 2), as without the table.
+    """
+    half = m_block_expert.shape[0] // 2
+    shared = blocks // 2
+    left = blocks - 2 * shared
+    s_incl = _cta_inclusive_scan(shared, s_scan, tid)
+    l_excl = _cta_inclusive_scan(left, s_scan, tid) - left
+    last = constants.ROUTING_THREADS - 1
+    if tid == last:
+        s_scan[0] = l_excl + left  # leftover total
+        s_scan[1] = incl_blocks  # block total: the phantom block's index
+    cute.arch.sync_threads()
+    l_tot = s_scan[0]
+    num_blocks = s_scan[1]
+    # Shared pair j of e: after the j shared pairs and the ceil(l_excl / 2) leftover pairs opened
+    # by experts before e.
+    s_excl = s_incl - shared
+    lead = (l_excl + 1) // 2
+    for i in cutlass.range(shared):
+        pos = s_excl + i + lead
+        m_block_expert[half + 2 * pos] = first + 2 * i
+        m_block_expert[half + 2 * pos + 1] = first + 2 * i + 1
+    # A leftover with an even index opens pair q = l_excl / 2 right after e's shared pairs; the
+    # expert holding index l_excl + 1 (or the phantom) fills its second slot.
+    cute.arch.sync_threads()  # s_scan[0..1] read by everyone before the slots below reuse it
+    if left > 0:
+        q = l_excl // 2
+        if l_excl % 2 == 0:
+            pos = s_incl + q
+            m_block_expert[half + 2 * pos] = first + blocks - 1
+            s_scan[2 + q] = pos
+            if l_excl == l_tot - 1:  # odd leftover count: the phantom block closes the last pair
+                m_block_expert[half + 2 * pos + 1] = num_blocks
+    cute.arch.sync_threads()
+    if left > 0:
+        if l_excl % 2 == 1:
+            m_block_expert[half + 2 * s_scan[2 + l_excl // 2] + 1] = first + blocks - 1
 
 
 @cute.kernel

@@ -5,13 +5,14 @@ CPU-only machines: set ``CUTE_DSL_ARCH=sm_90a`` before cutlass is imported. Call
 ``ep_workspace.EP_ARGS``::
 
     fn(x[T,H] bf16, topk_ids[T,K] i32, topk_weights[T,K] f32, w13[E_loc,N1,H] bf16,
-       w2[E_loc,H,I] bf16, out[T,H] bf16,
+       w2[E_loc,H,I] bf16, out[T,H] bf16, live_tokens[1] i32,
        flags[3,R] i32, x_sym[T_cap,H] bf16, send_list[T_cap*K,2] i32, expert_cnt[E] i32,
        expert_start[E] i32, row_base[R,E_loc] i32, a_buf[M_cap,H] bf16,      # symmetric (own)
        flags_tab, x_tab, send_tab, cnt_tab, start_tab, row_base_tab, y_tab,    # int64 [R] each
        cta_cnt[G,E] i32, pair_pos[T_cap*K] i32, src_meta[R,4] i32,
-       m_block_expert[M_cap/tile_m] i32, meta[4] i32, h_buf[M_cap,I] bf16,    # local
-       abort[4] i32, rank, epoch, prev_epoch, timeout_ns)
+       m_block_expert[M_cap/tile_m] i32, meta[4] i32, h_buf[M_cap,I] bf16,
+       ep_state[4] i32,                                                         # local
+       abort[4] i32, rank, timeout_ns)
 
 T, T_cap, T_cap*K, M_cap and M_cap/tile_m are symbolic; H, I, E_loc, K, R, G are compile-time.
 """
@@ -55,9 +56,9 @@ def ep_fake_arguments(
     p_cap = cute.sym_int()
     m_cap = cute.sym_int()
 
-    def mat(dtype: Any, shape: tuple) -> Any:
+    def mat(dtype: Any, shape: tuple, align: int = 16) -> Any:
         order = tuple(range(len(shape) - 1, -1, -1))
-        return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=16)
+        return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align)
 
     tables = [mat(i64, (world,)) for _ in range(7)]
     return [
@@ -67,6 +68,7 @@ def ep_fake_arguments(
         mat(bf16, (e_loc, n1, hidden)),  # w13
         mat(bf16, (e_loc, hidden, inter)),  # w2
         mat(bf16, (t, hidden)),  # out
+        mat(i32, (1,), align=4),  # live_tokens: any int32 element (e.g. a view into a larger tensor)
         mat(i32, (3, world)),  # flags
         mat(bf16, (t_cap, hidden)),  # x_sym
         mat(i32, (p_cap, 2)),  # send_list
@@ -81,10 +83,9 @@ def ep_fake_arguments(
         mat(i32, (cute.sym_int(),)),  # m_block_expert
         mat(i32, (4,)),  # meta
         mat(bf16, (m_cap, inter)),  # h_buf
+        mat(i32, (4,)),  # ep_state
         mat(i32, (4,)),  # abort
         i32(0),  # rank
-        i32(1),  # epoch
-        i32(0),  # prev_epoch
         i64(1_000_000_000),  # timeout_ns
         make_fake_stream(use_tvm_ffi_env_stream=True),
     ]

@@ -2,14 +2,16 @@
 function (DRAFT). The protocol and the kernel chain are described in ``ep_kernels``; the buffers
 in ``ep_workspace``.
 
-``rank``, ``epoch``, ``prev_epoch`` and ``timeout_ns`` are RUNTIME scalars: one compiled library
-serves every rank of a world size (``world_size`` is compile-time: it sizes the flag array and
-the pointer tables). T is symbolic as in the world-1 kernel.
+``rank`` and ``timeout_ns`` are RUNTIME scalars: one compiled library serves every rank of a world
+size (``world_size`` is compile-time: it sizes the flag array and the pointer tables). T is symbolic
+as in the world-1 kernel. Nothing that changes between forwards is a launch argument: the epoch is in
+the device-side ``ep_state`` and the live token count in the ``live_tokens`` device scalar, so a CUDA
+graph of one forward replays correctly with any live count up to the rows of its buffers.
 
 Buffer-reuse guards (which wait protects which overwrite), for epoch e on rank r:
 
 - owner buffers read by peers in epoch e-1: ``a_buf`` (y rows, read by every source's combine)
-  and ``row_base`` (read by every source's combine). Kernel 5 waits ``finished[s] >= prev_epoch``
+  and ``row_base`` (read by every source's combine). Kernel 5 waits ``finished[s] >= e-1``
   for every s before it writes ``row_base`` and before the gather (kernel 6) writes ``a_buf``.
 - source buffers read by owners in epoch e-1: ``x_sym``, ``send_list``, ``expert_cnt``,
   ``expert_start`` (read by every owner's scan and gather). They are rewritten by kernels 1-3 of
@@ -17,8 +19,8 @@ Buffer-reuse guards (which wait protects which overwrite), for epoch e on rank r
   for every d proves every owner finished its gather (done is signalled after FC2).
 - flags are single-writer monotonic words: never reset.
 
-``prev_epoch`` is normally ``epoch - 1``; pass 0 for the first forward and for the first forward
-after an abort (after the host has synchronized every rank), which skips the reuse wait.
+The reuse wait is skipped (target 0) on the first forward and on the first one after the host
+rewrote ``ep_state`` in a recovery (every rank was idle then).
 
 Loopback co-residency rule (``ranks_per_gpu = R`` logical ranks on one GPU): every grid of the
 chain has ``G = num_sms // ranks_per_gpu`` CTAs, so the R ranks' concurrent kernels fit on the
@@ -98,7 +100,8 @@ class Sm90MegaMoEBf16EpKernel:
         topk_weights: cute.Tensor,  # [T, K] fp32
         w13: cute.Tensor,  # [E_loc, N1, H] bf16 (this rank's experts, prepared as world 1)
         w2: cute.Tensor,  # [E_loc, H, I] bf16
-        out: cute.Tensor,  # [T, H] bf16
+        out: cute.Tensor,  # [T, H] bf16 (rows >= the live count are left untouched)
+        live_tokens: cute.Tensor,  # [1] int32: rows of x/topk_*/out that are live (clamped to T)
         # symmetric buffers: this rank's views
         flags: cute.Tensor,  # [3, R] int32 (zeroed once at allocation)
         x_sym: cute.Tensor,  # [T_cap, H] bf16
@@ -122,10 +125,9 @@ class Sm90MegaMoEBf16EpKernel:
         m_block_expert: cute.Tensor,  # [M_cap/tile_m] int32
         meta: cute.Tensor,  # [4] int32
         h_buf: cute.Tensor,  # [M_cap, I] bf16
-        abort: cute.Tensor,  # [4] int32: (aborted, stage, peer, epoch); host zeroes it
+        ep_state: cute.Tensor,  # [4] int32: device-side epoch state (zeroed at allocation)
+        abort: cute.Tensor,  # [4] int32: (aborted, stage, peer, epoch); kernel 0 clears it
         rank: cutlass.Int32,
-        epoch: cutlass.Int32,
-        prev_epoch: cutlass.Int32,
         timeout_ns: cutlass.Int64,
         stream,
     ):
@@ -137,24 +139,26 @@ class Sm90MegaMoEBf16EpKernel:
         aux = [self.aux_threads, 1, 1]
         one = [1, 1, 1]
         sig = [K.SIGNAL_THREADS, 1, 1]
+        # 0: epoch += 1, abort word cleared
+        K.ep_begin_kernel(ep_state, abort).launch(grid=one, block=[32, 1, 1], stream=stream)
         # 1-3: local routing, send list sorted by global expert (source role)
-        K.ep_route_count_kernel(x, topk_ids, x_sym, cta_cnt, abort, num_experts).launch(
+        K.ep_route_count_kernel(x, topk_ids, live_tokens, x_sym, cta_cnt, abort, num_experts).launch(
             grid=[g, 1, 1], block=aux, stream=stream
         )
         K.ep_route_scan_kernel(cta_cnt, expert_cnt, expert_start, abort, num_experts, g).launch(
             grid=one, block=[constants.ROUTING_THREADS, 1, 1], stream=stream
         )
-        K.ep_route_place_kernel(topk_ids, cta_cnt, expert_start, send_list, pair_pos, abort, num_experts).launch(
-            grid=[g, 1, 1], block=[32, 1, 1], stream=stream
-        )
+        K.ep_route_place_kernel(
+            topk_ids, live_tokens, cta_cnt, expert_start, send_list, pair_pos, abort, num_experts
+        ).launch(grid=[g, 1, 1], block=[32, 1, 1], stream=stream)
         # 4: ready[rank] = epoch everywhere
-        K.ep_signal_kernel(flags_tab, rank, epoch, abort, K.FLAG_READY, world).launch(
+        K.ep_signal_kernel(flags_tab, rank, ep_state, abort, K.FLAG_READY, world).launch(
             grid=one, block=sig, stream=stream
         )
         # 5: owner waits (ready of this epoch, finished of the previous one), plans rows
         K.ep_owner_scan_kernel(
             flags, cnt_tab, start_tab, row_base, m_block_expert, meta, src_meta,
-            rank, epoch, prev_epoch, timeout_ns, abort, world, local_experts, self.tile_m,
+            rank, ep_state, timeout_ns, abort, world, local_experts, self.tile_m,
         ).launch(grid=one, block=[constants.ROUTING_THREADS, 1, 1], stream=stream)  # fmt: skip
         # 6: pull x rows from the sources
         K.ep_gather_kernel(
@@ -166,14 +170,25 @@ class Sm90MegaMoEBf16EpKernel:
         self.fc1.launch(a_buf, self._expert_major_view(w13), h_buf, m_block_expert, meta, stream, pdl)
         self.fc2.launch(h_buf, self._expert_major_view(w2), a_buf, m_block_expert, meta, stream, pdl)
         # 9: done[rank] = epoch everywhere, then wait for every owner
-        K.ep_done_and_wait_kernel(flags, flags_tab, rank, epoch, timeout_ns, abort, world).launch(
+        K.ep_done_and_wait_kernel(flags, flags_tab, rank, ep_state, timeout_ns, abort, world).launch(
             grid=one, block=sig, stream=stream
         )
         # 10: combine from the owners' y
         K.ep_combine_kernel(
-            topk_ids, topk_weights, pair_pos, row_base_tab, y_tab, out, rank, abort, world, local_experts, top_k
+            topk_ids,
+            topk_weights,
+            live_tokens,
+            pair_pos,
+            row_base_tab,
+            y_tab,
+            out,
+            rank,
+            abort,
+            world,
+            local_experts,
+            top_k,
         ).launch(grid=[g, 1, 1], block=aux, stream=stream)
         # 11: finished[rank] = epoch everywhere (this rank no longer reads any peer buffer)
-        K.ep_signal_kernel(flags_tab, rank, epoch, abort, K.FLAG_FINISHED, world).launch(
+        K.ep_signal_kernel(flags_tab, rank, ep_state, abort, K.FLAG_FINISHED, world).launch(
             grid=one, block=sig, stream=stream
         )

@@ -6,6 +6,7 @@ One forward on rank ``r`` of ``R`` (global experts ``E = R * E_loc``, expert ``e
 ====  =====================  ======  =======================================================
  K    kernel                 grid    role
 ====  =====================  ======  =======================================================
+ 0    ep_begin               1       epoch += 1 (device-side protocol state), abort word := 0
  1    ep_route_count         G       x -> x_sym (own symmetric copy); per-CTA expert histogram
  2    ep_route_scan          1       per-expert counts/starts (symmetric), per-CTA bases
  3    ep_route_place         G       stable (token-order) send list sorted by global expert
@@ -21,6 +22,12 @@ One forward on rank ``r`` of ``R`` (global experts ``E = R * E_loc``, expert ``e
 Flags: ``flags[3, R]`` int32 in every rank's symmetric arena; ``flags[KIND, s]`` is written only
 by rank ``s`` (st.release.sys after a fence.acq_rel.sys) and read only by its owner rank
 (ld.acquire.sys). Epochs grow monotonically from 1 (int32), so a wait is ``flag >= target``.
+
+Device-side state, so that a CUDA graph of the chain replays correctly: the epoch lives in the
+rank's ``ep_state`` (kernel 0 increments it; every later kernel reads it), never in a launch
+argument, and the live token count is read from the ``live_tokens`` device scalar (clamped to the
+rows of ``x``), never from a host shape. The host writes ``ep_state`` only while every rank is idle
+(allocation: zeros; recovery after an abort: ``(largest epoch of any rank, 0, 0, 0)``).
 
 Every wait (kernels 5 and 9) runs in a single CTA, one thread per awaited peer, with a deadline
 ``%globaltimer + timeout_ns``; on expiry the first failing thread claims the abort word
@@ -45,6 +52,7 @@ import cutlass
 import cutlass.cute as cute
 
 from ..common import constants
+from .ep_workspace import ABORT_LEN, STATE_EPOCH, STATE_NEXT_PREV, STATE_PREV  # noqa: F401  (one definition)
 
 # flags[KIND, rank] rows
 FLAG_READY = 0
@@ -57,7 +65,6 @@ ABORT_FLAG = 0
 ABORT_STAGE = 1
 ABORT_PEER = 2
 ABORT_EPOCH = 3
-ABORT_LEN = 4
 STAGE_OWNER_READY = 1  # owner waits ready[s] (source s has published its send list)
 STAGE_OWNER_REUSE = 2  # owner waits finished[s] of the previous epoch (buffer reuse)
 STAGE_SOURCE_DONE = 3  # source waits done[d] (owner d has its y rows and row table)
@@ -167,11 +174,32 @@ def chunk_size(num_pairs, num_ctas):
     return cutlass.max((num_pairs + num_ctas - 1) // num_ctas, 1)
 
 
+def _live_count(live_tokens: cute.Tensor, rows):
+    """The live token count: ``live_tokens[0]`` clamped to [0, rows] (rows of the token buffers)."""
+    return cutlass.min(cutlass.max(live_tokens[0], cutlass.Int32(0)), rows)
+
+
+# ------------------------------------------------------------------------- protocol state
+@cute.kernel
+def ep_begin_kernel(ep_state: cute.Tensor, abort: cute.Tensor):
+    """Kernel 0 (one warp): start a forward. epoch += 1; this forward's reuse-wait target is the
+    previous forward's epoch (or 0 after a recovery); the abort word is cleared."""
+    tid, _, _ = cute.arch.thread_idx()
+    if tid == 0:
+        epoch = ep_state[STATE_EPOCH] + 1
+        ep_state[STATE_PREV] = ep_state[STATE_NEXT_PREV]
+        ep_state[STATE_NEXT_PREV] = epoch
+        ep_state[STATE_EPOCH] = epoch
+    if tid < ABORT_LEN:
+        abort[tid] = cutlass.Int32(0)
+
+
 # --------------------------------------------------------------------- source side: routing
 @cute.kernel
 def ep_route_count_kernel(
     x: cute.Tensor,  # (T, H) bf16
     topk_ids: cute.Tensor,  # (T, K) int32, global experts
+    live_tokens: cute.Tensor,  # (1,) int32: rows of x/topk_ids to route (clamped to T)
     x_sym: cute.Tensor,  # (T_cap, H) bf16, symmetric: receives x (peers gather from it)
     cta_cnt: cute.Tensor,  # (G, E) int32: pairs of each expert in this CTA's chunk
     abort: cute.Tensor,
@@ -184,7 +212,7 @@ def ep_route_count_kernel(
     if not _aborted(abort):
         vec = constants.BF16_PER_16B
         hidden = x.shape[1]
-        num_tokens = x.shape[0]
+        num_tokens = _live_count(live_tokens, x.shape[0])
         num_pairs = num_tokens * topk_ids.shape[1]
         # x -> x_sym, one warp per token (16-byte vectors).
         lane = tid % 32
@@ -239,6 +267,7 @@ def ep_route_scan_kernel(
 @cute.kernel
 def ep_route_place_kernel(
     topk_ids: cute.Tensor,  # (T, K) int32
+    live_tokens: cute.Tensor,  # (1,) int32
     cta_cnt: cute.Tensor,  # (G, E) int32: per-CTA base inside each expert (from the scan)
     expert_start: cute.Tensor,  # (E,) int32 symmetric
     send_list: cute.Tensor,  # (P_cap, 2) int32 symmetric: (pair index t*K+k, global expert)
@@ -257,7 +286,7 @@ def ep_route_place_kernel(
         for e in cutlass.range(tid, num_experts, 32):
             s_run[e] = cta_cnt[bid, e]
         cute.arch.sync_warp()
-        num_pairs = topk_ids.shape[0] * topk_ids.shape[1]
+        num_pairs = _live_count(live_tokens, topk_ids.shape[0]) * topk_ids.shape[1]
         ids_flat = cute.make_tensor(topk_ids.iterator, cute.make_layout(num_pairs))
         chunk = chunk_size(num_pairs, nblk)
         start = bid * chunk
@@ -289,7 +318,7 @@ def ep_route_place_kernel(
 def ep_signal_kernel(
     flags_tab: cute.Tensor,  # (R,) int64: every rank's flags[3, R]
     rank: cutlass.Int32,
-    epoch: cutlass.Int32,
+    ep_state: cute.Tensor,  # (STATE_LEN,) int32: the epoch
     abort: cute.Tensor,
     kind: cutlass.Constexpr[int],
     world: cutlass.Constexpr[int],
@@ -302,7 +331,7 @@ def ep_signal_kernel(
         if tid < world:
             cute.arch.fence_acq_rel_sys()
             ptr = _peer_ptr(flags_tab, tid, cutlass.Int32, 4) + (kind * world + rank)
-            cute.arch.store(ptr, epoch, sem="release", scope="sys")
+            cute.arch.store(ptr, ep_state[STATE_EPOCH], sem="release", scope="sys")
 
 
 # ------------------------------------------------------------------------- owner side
@@ -316,8 +345,7 @@ def ep_owner_scan_kernel(
     meta: cute.Tensor,  # (META_LEN,) int32
     src_meta: cute.Tensor,  # (R, SRC_META_LEN) int32
     rank: cutlass.Int32,
-    epoch: cutlass.Int32,
-    prev_epoch: cutlass.Int32,
+    ep_state: cute.Tensor,  # (STATE_LEN,) int32: epoch and reuse-wait target
     timeout_ns: cutlass.Int64,
     abort: cute.Tensor,
     world: cutlass.Constexpr[int],
@@ -327,6 +355,8 @@ def ep_owner_scan_kernel(
     """WAIT ready[s] >= epoch (stage 1) and finished[s] >= prev_epoch (stage 2) for every s, then
     plan the rows: padded expert offsets, the M-block map, ``row_base`` and the source ranges."""
     tid, _, _ = cute.arch.thread_idx()
+    epoch = ep_state[STATE_EPOCH]
+    prev_epoch = ep_state[STATE_PREV]
     smem = cutlass.utils.SmemAllocator()
     s_scan = smem.allocate_tensor(cutlass.Int32, cute.make_layout(32), byte_alignment=16)
     s_fail = smem.allocate_tensor(cutlass.Int32, cute.make_layout(1), byte_alignment=16)
@@ -453,7 +483,7 @@ def ep_done_and_wait_kernel(
     flags: cute.Tensor,  # (3, R) int32 symmetric (own)
     flags_tab: cute.Tensor,  # (R,) int64
     rank: cutlass.Int32,
-    epoch: cutlass.Int32,
+    ep_state: cute.Tensor,  # (STATE_LEN,) int32: the epoch
     timeout_ns: cutlass.Int64,
     abort: cute.Tensor,
     world: cutlass.Constexpr[int],
@@ -462,6 +492,7 @@ def ep_done_and_wait_kernel(
     WAIT done[d] >= epoch for every owner d (stage 3)."""
     tid, _, _ = cute.arch.thread_idx()
     if not _aborted(abort):
+        epoch = ep_state[STATE_EPOCH]
         if tid < world:
             cute.arch.fence_acq_rel_sys()
             ptr = _peer_ptr(flags_tab, tid, cutlass.Int32, 4) + (FLAG_DONE * world + rank)
@@ -476,6 +507,7 @@ def ep_done_and_wait_kernel(
 def ep_combine_kernel(
     topk_ids: cute.Tensor,  # (T, K) int32
     topk_weights: cute.Tensor,  # (T, K) fp32
+    live_tokens: cute.Tensor,  # (1,) int32: rows of out to write (the rest are left untouched)
     pair_pos: cute.Tensor,  # (P_cap,) int32
     row_base_tab: cute.Tensor,  # (R,) int64: every rank's row_base (R, E_loc)
     y_tab: cute.Tensor,  # (R,) int64: every rank's a_buf (M_cap, H) = FC2 output
@@ -489,12 +521,12 @@ def ep_combine_kernel(
     """out[t] = bf16(sum_k w[t,k] * float(y_owner[row])), k in order, fp32, no atomics."""
     vec = constants.BF16_PER_16B
     hidden = out.shape[1]
-    num_tokens = out.shape[0]
     tid, _, _ = cute.arch.thread_idx()
     bid, _, _ = cute.arch.block_idx()
     nblk, _, _ = cute.arch.grid_dim()
     bdim, _, _ = cute.arch.block_dim()
     if not _aborted(abort):
+        num_tokens = _live_count(live_tokens, out.shape[0])
         warps = bdim // 32
         lane = tid % 32
         frag_in = cute.make_rmem_tensor((vec,), out.element_type)

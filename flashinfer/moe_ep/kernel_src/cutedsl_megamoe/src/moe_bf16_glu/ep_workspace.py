@@ -2,9 +2,11 @@
 
 Symmetric buffers (one ``SymBufferHost`` arena per rank, same sizes on every rank; peers read or
 write them through the int64 [R] pointer tables) and local workspace, both sized from
-``max_tokens`` (per-rank capacity T_cap). Only ``flags`` needs initialization: zero it once at
-allocation, on every rank, before any rank's first forward. The abort word is zeroed by the host
-before every forward that it wants to check.
+``max_tokens`` (per-rank capacity T_cap). ``flags`` (symmetric) and ``ep_state`` (local) need
+initialization: zero them once at allocation, on every rank, before any rank's first forward (the
+local specs are allocated zeroed). After that the device owns ``ep_state`` (epoch, reuse-wait
+targets: ``ep_kernels.STATE_*``) and the abort word (kernel 0 clears it); the host writes
+``ep_state`` only to recover after an abort, with every rank idle: ``resync_state(epoch)``.
 
 Symmetric bytes per rank (bf16, int32)::
 
@@ -31,15 +33,31 @@ EP_TABLES = (
     ("row_base_tab", "row_base"),
     ("y_tab", "a_buf"),
 )
-EP_LOCAL_BUFFERS = ("cta_cnt", "pair_pos", "src_meta", "m_block_expert", "meta", "h_buf")
+EP_LOCAL_BUFFERS = ("cta_cnt", "pair_pos", "src_meta", "m_block_expert", "meta", "h_buf", "ep_state")
 EP_ARGS = (
-    ("x", "topk_ids", "topk_weights", "w13", "w2", "out")
+    ("x", "topk_ids", "topk_weights", "w13", "w2", "out", "live_tokens")
     + EP_SYM_BUFFERS
     + tuple(t for t, _ in EP_TABLES)
     + EP_LOCAL_BUFFERS
-    + ("abort", "rank", "epoch", "prev_epoch", "timeout_ns")
+    + ("abort", "rank", "timeout_ns")
 )
 ABORT_LEN = 4
+#: ep_state slots (local workspace: zeroed at allocation, then owned by the device)
+STATE_EPOCH = 0  # epoch of the forward in flight (kernel 0 increments it)
+STATE_NEXT_PREV = 1  # reuse-wait target of the next forward (0: skip that wait)
+STATE_PREV = 2  # reuse-wait target of the forward in flight
+STATE_LEN = 4
+
+
+def resync_state(epoch: int) -> list[int]:
+    """The ``ep_state`` a recovery writes (every rank idle): continue after ``epoch`` (the largest any
+    rank reached, so the next flags are newer than anything a failed forward left) and skip the next
+    forward's reuse wait (nobody reads this rank's buffers any more)."""
+    state = [0] * STATE_LEN
+    state[STATE_EPOCH] = epoch
+    return state
+
+
 ABORT_STAGES = {1: "owner waits ready (dispatch)", 2: "owner waits finished (buffer reuse)",
                 3: "source waits done (combine)"}  # fmt: skip
 
@@ -94,6 +112,7 @@ def ep_local_specs(
         ("m_block_expert", (m_cap // tile_m,), "int32"),
         ("meta", (4,), "int32"),
         ("h_buf", (m_cap, inter), "bfloat16"),
+        ("ep_state", (STATE_LEN,), "int32"),
     ]
 
 
@@ -104,8 +123,13 @@ __all__ = [
     "EP_LOCAL_BUFFERS",
     "EP_SYM_BUFFERS",
     "EP_TABLES",
+    "STATE_EPOCH",
+    "STATE_LEN",
+    "STATE_NEXT_PREV",
+    "STATE_PREV",
     "ep_grid",
     "ep_local_specs",
     "ep_max_rows",
     "ep_symmetric_specs",
+    "resync_state",
 ]

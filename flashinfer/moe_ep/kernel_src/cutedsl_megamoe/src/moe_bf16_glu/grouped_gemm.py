@@ -12,10 +12,12 @@ C[rows of M block b] = A[rows of b] @ B[expert(b)].T for every M block b of the 
   tile index ``tile = b * n_tiles + n`` with a grid stride. A consumer warpgroup whose 64 rows are
   all expert padding skips its MMAs (it still walks the pipeline) and, with the direct epilogue,
   its stores.
-- ``cluster_m = 2``: the two CTAs of a cluster take M blocks ``2g`` and ``2g + 1``. When both
-  belong to one expert they share each B tile (each CTA loads half and multicasts it to both);
-  otherwise (an expert boundary, or the phantom block the routing appends to an odd count) each
-  CTA loads its own whole B tile. Experts are padded to ``tile_m`` only, not ``2 * tile_m``.
+- ``cluster_m = 2``: the two CTAs of a cluster take M blocks ``2g`` and ``2g + 1``, or with
+  ``pair_by_expert`` the two blocks of entry g of the routing's pair table (the second half of
+  ``m_block_expert``). When both belong to one expert they share each B tile (each CTA loads half
+  and multicasts it to both); otherwise (an expert boundary, or the phantom block the routing
+  appends to an odd count) each CTA loads its own whole B tile. Experts are padded to ``tile_m``
+  only, not ``2 * tile_m``.
 - PDL: the prologue (barrier init, descriptor prefetch) runs before ``griddepcontrol.wait``.
 
 Warp roles: warpgroup 0 is the producer (warp 0 issues TMA loads into a multi-stage mbarrier
@@ -56,6 +58,7 @@ class GroupedGemmSm90:
         ab_stages: int | None = None,
         epi_direct: bool = False,
         cluster_m: int = 1,
+        pair_by_expert: bool = False,
     ) -> None:
         if tile_m not in (64, 128, 256):
             raise ValueError(f"tile_m must be 64, 128 or 256, got {tile_m}")
@@ -69,6 +72,9 @@ class GroupedGemmSm90:
         # loaded once by TMA multicast (each CTA loads 1/cluster_m of it for both), halving weight
         # traffic from L2/HBM; a pair that straddles two experts loads both tiles unshared.
         self.cluster_m = cluster_m
+        if pair_by_expert and cluster_m != 2:
+            raise ValueError("pair_by_expert needs cluster_m=2")
+        self.pair_by_expert = pair_by_expert
         self.tile_k = constants.TILE_K
         self.epilogue = epilogue
         self.gated = epilogue in constants.GATED_ACTIVATIONS
@@ -315,12 +321,12 @@ class GroupedGemmSm90:
                 while tile < num_tiles:
                     grp = tile // n_tiles
                     n_blk = tile - grp * n_tiles
-                    m_blk = grp * self.cluster_m + cluster_coord[0]
+                    m_blk = self._m_block(m_block_expert, grp, cluster_coord[0])
                     expert = m_block_expert[m_blk] & 0xFFFF
                     # Both CTAs derive the same answer from the same two entries.
                     share_b = cutlass.Boolean(False)
                     if cutlass.const_expr(self.cluster_m > 1):
-                        partner = grp * self.cluster_m + (cluster_coord[0] + 1) % self.cluster_m
+                        partner = self._m_block(m_block_expert, grp, (cluster_coord[0] + 1) % self.cluster_m)
                         share_b = (m_block_expert[partner] & 0xFFFF) == expert
                     for k in cutlass.range(k_tiles, unroll=1):
                         ab_pipe.producer_acquire(prod_state)
@@ -421,7 +427,7 @@ class GroupedGemmSm90:
             while tile < num_tiles:
                 grp = tile // n_tiles
                 n_blk = tile - grp * n_tiles
-                m_blk = grp * self.cluster_m + cluster_coord[0]
+                m_blk = self._m_block(m_block_expert, grp, cluster_coord[0])
                 # Rows of this M block that hold real pairs (the rest is expert padding): a
                 # warpgroup whose 64 rows are all padding skips its MMAs and its stores.
                 valid_rows = m_block_expert[m_blk] >> 16
@@ -489,6 +495,12 @@ class GroupedGemmSm90:
                     )
                 tile += tile_stride
             store_pipe.producer_tail()
+
+    def _m_block(self, m_block_expert: cute.Tensor, grp, rank):
+        """The M block that CTA ``rank`` of cluster group ``grp`` takes (see the module docstring)."""
+        if cutlass.const_expr(self.pair_by_expert):
+            return m_block_expert[m_block_expert.shape[0] // 2 + grp * 2 + rank]
+        return grp * self.cluster_m + rank
 
     @cute.jit
     def _tma_epilogue(

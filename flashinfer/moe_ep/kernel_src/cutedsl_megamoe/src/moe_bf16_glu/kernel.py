@@ -42,6 +42,13 @@ class Sm90MegaMoEBf16Kernel:
     :param cluster_m: 1, or 2 for clusters of 2 CTAs along M sharing each weight tile through TMA
         multicast when their two M blocks belong to one expert (pass the same value to the
         workspace spec: the block count is rounded up to a multiple of it).
+    :param pair_by_expert: with ``cluster_m=2``, which two M blocks a cluster takes. False: blocks
+        2g and 2g+1 of the expert-major order (a pair straddles two experts whenever an expert's
+        blocks start at an odd index). True: the routing writes a pair table: every expert's blocks
+        in pairs (they share weight tiles), its odd last block paired with the next expert's odd
+        last block (unshared), groups in expert order. None (default): True with ``cluster_m=2``.
+        Measured on H200 (TUNING.md, drop v6): deepseek-v3 T=4096 8 % faster, qwen3-235b-a22b
+        T=16384 1-2 %, qwen3-30b-a3b T=16384 7 % slower, the other prefill points even.
     :param stage_mask: debugging/profiling only: bit i enables stage i (routing, gather, FC1,
         FC2, combine); anything but 0b11111 gives wrong results (and masking out routing leaves
         ``expert_count`` non-zero).
@@ -65,6 +72,7 @@ class Sm90MegaMoEBf16Kernel:
         epi_direct: bool = False,
         aux_vpt: int = 4,
         cluster_m: int = 1,
+        pair_by_expert: bool | None = None,
         stage_mask: int = 0b11111,
     ) -> None:
         if activation not in constants.ACTIVATIONS:
@@ -78,9 +86,18 @@ class Sm90MegaMoEBf16Kernel:
         self.use_pdl = use_pdl
         self.aux_vpt = aux_vpt
         self.cluster_m = cluster_m
+        if pair_by_expert is None:
+            pair_by_expert = cluster_m == 2
+        if pair_by_expert and cluster_m != 2:
+            raise ValueError("pair_by_expert needs cluster_m=2")
+        self.pair_by_expert = pair_by_expert
         self.stage_mask = stage_mask
-        self.fc1 = GroupedGemmSm90(tile_m, fc1_tile_n, activation, limit, num_sms, fc1_stages, epi_direct, cluster_m)
-        self.fc2 = GroupedGemmSm90(tile_m, fc2_tile_n, EPI_PLAIN, None, num_sms, fc2_stages, epi_direct, cluster_m)
+        self.fc1 = GroupedGemmSm90(
+            tile_m, fc1_tile_n, activation, limit, num_sms, fc1_stages, epi_direct, cluster_m, pair_by_expert
+        )
+        self.fc2 = GroupedGemmSm90(
+            tile_m, fc2_tile_n, EPI_PLAIN, None, num_sms, fc2_stages, epi_direct, cluster_m, pair_by_expert
+        )
 
     @staticmethod
     def _expert_major_view(w: cute.Tensor) -> cute.Tensor:
@@ -121,6 +138,7 @@ class Sm90MegaMoEBf16Kernel:
                 num_experts,
                 self.tile_m,
                 self.cluster_m,
+                self.pair_by_expert,
             ).launch(
                 grid=[self.num_sms, 1, 1],
                 block=[constants.ROUTING_THREADS, 1, 1],

@@ -133,6 +133,7 @@ class Sm90MegaMoEQuantKernel:
             num_experts,
             self.tile_m,
             1,
+            False,
         ).launch(grid=[self.num_sms, 1, 1], block=[constants.ROUTING_THREADS, 1, 1], stream=stream, use_pdl=pdl)
         quant_gather_kernel(
             x, topk_ids, pair_rank, expert_off, cta_base, pair_row, a_buf, act_gscale, self.num_sms, self.fmt

@@ -12,6 +12,7 @@ from ....base import MegaKernelBackend
 from ..runtime import (
     acquire_pooled_workspace,
     load_kernel,
+    pool_owner,
     release_pooled_workspace,
     sm90_requirements,
     warmup_forward,
@@ -77,7 +78,9 @@ class Sm90Bf16CutedslBackend(MegaKernelBackend):
     def allocate_workspace(self) -> None:
         """The pooled workspace (``runtime.acquire_pooled_workspace``) of every token bucket's kernel."""
         frontends = self.profiles.distinct()
-        self._workspace_key, ws_of = acquire_pooled_workspace(frontends, self.fleet.max_tokens_per_rank, self.device)
+        self._workspace_key, ws_of = acquire_pooled_workspace(
+            frontends, self.fleet.max_tokens_per_rank, self.device, pool_owner(self)
+        )
         self._by_bucket = {name: (fe, ws_of[id(fe)]) for name, fe in self.profiles.frontends.items()}
         self.workspace = ws_of[id(self.frontend)]
 

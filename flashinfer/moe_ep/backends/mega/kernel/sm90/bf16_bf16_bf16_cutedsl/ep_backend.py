@@ -4,9 +4,22 @@ Every rank's layer launches one chain of kernels that dispatches tokens to the o
 symmetric buffers, runs FC1/FC2 there and combines the results back, with deadlines on every
 cross-rank wait. A wait that expires sets the rank's abort word; the layer raises
 ``MoEEpTransportError`` (stage, peer, epoch) on the next ``forward`` or ``check_transport``. Every
-rank then calls ``recover_transport()`` (collective) and the next forward runs normally. Not yet: token
-buckets, autotune, workspace pooling, CUDA graphs (capture is refused: the cross-rank epoch is a launch
-argument, so every replay of a graph would reuse one epoch and its waits would pass on stale flags).
+rank then calls ``recover_transport()`` (collective) and the next forward runs normally.
+
+CUDA graphs: the epoch of the cross-rank flags lives on the device and the live token count is read
+there (``MoEEpTensors.num_tokens``), so a forward captured after ``warmup()`` replays correctly with any
+live count up to the captured rows. A replay does not run Python: call ``check_transport()`` after
+replays to learn whether a wait expired.
+
+Workspace pooling: the rank's EP state (symmetric arena, local workspace, device epoch, abort word)
+is shared by every layer of one geometry (same kernel, capacity, device, EP group, rank) through the
+drop's refcounted pool, unless ``share_workspace=False``: the layers of a model run one after another
+on one stream, so their forwards simply continue one epoch sequence.
+
+Knobs, per token bucket of the global T (``ep_tuning``): ``None`` (the knob cache, else the defaults),
+a dict of tile knobs (every bucket), or ``"auto"``: ``warmup()`` (on every rank) tunes every bucket
+collectively (with loopback ranks the first rank's warmup tunes the whole group) and records the
+winners. Every bucket's kernel uses the rank's one EP state.
 """
 
 from __future__ import annotations
@@ -17,12 +30,15 @@ import torch
 
 from ......config import MoEEpTensors, MoEWeightPack
 from ......errors import MoEEpConfigError, MoEEpTransportError
-from ..runtime import load_kernel
-from . import tuning
+from ..runtime import load_kernel, pool_owner
+from . import ep_tuning, tuning
 from .backend import Sm90Bf16CutedslBackend
 
-#: loopback group -> {rank: EpRankState}: how one logical rank's recovery sees the others' epochs
-_LOOPBACK_STATES: dict[int, dict[int, Any]] = {}
+#: pooled state key without the rank -> {rank: EpRankState} (loopback): how one logical rank's
+#: recovery sees the epochs of the other ranks of its workspace
+_LOOPBACK_STATES: dict[tuple, dict[int, Any]] = {}
+#: loopback group -> {rank: backend} of the layers waiting for ``knobs="auto"`` (tuned together)
+_LOOPBACK_AUTO: dict[int, dict[int, Any]] = {}
 
 
 def make_loopback_group(world_size: int, device: torch.device | str) -> Any:
@@ -33,32 +49,114 @@ def make_loopback_group(world_size: int, device: torch.device | str) -> Any:
 
 
 class Sm90Bf16EpBackend(Sm90Bf16CutedslBackend):
+    device_live_tokens = True
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super(Sm90Bf16CutedslBackend, self).__init__(*args, **kwargs)  # the base class only: no token buckets
         from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
 
         b, c = self.bootstrap, self.config
         self.mode = "loopback" if b.symmetric_memory == "loopback" else "nvshmem"
-        if c.knobs is not None and not isinstance(c.knobs, dict):
+        auto = c.knobs == tuning.AUTO
+        if c.knobs is not None and not auto and not isinstance(c.knobs, dict):
             raise MoEEpConfigError(
-                f"{c.kernel_name} at world_size > 1 takes knobs=None or a dict of {', '.join(drop.EP_TILE_KNOBS)} "
-                f"(no autotune of the expert-parallel kernel yet); got {c.knobs!r}"
+                f"{c.kernel_name} at world_size > 1 takes knobs=None, {tuning.AUTO!r} or a dict of "
+                f"{', '.join(drop.EP_TILE_KNOBS)}; got {c.knobs!r}"
             )
         geometry = tuning.make_geometry(c, c.num_experts)  # the EP kernel takes the GLOBAL expert count
-        ranks_per_gpu = b.world_size if self.mode == "loopback" else 1
+        self.ranks_per_gpu = b.world_size if self.mode == "loopback" else 1
+        self.context = ep_tuning.ep_context(self.device, b.world_size, self.mode == "loopback")
+        self.buckets = ep_tuning.ep_buckets(b.world_size, self.fleet.max_tokens_per_rank)
+        tiles: dict[str, dict[str, int]] = {}
+        self.knob_sources: dict[str, str] = {}
+        for bucket in reversed(self.buckets):  # largest first: its FC1 tile is the weight layout
+            if isinstance(c.knobs, dict):
+                tiles[bucket.name], self.knob_sources[bucket.name] = dict(c.knobs), "config"
+                continue
+            cached = ep_tuning.cached_ep_knobs(geometry, self.context, bucket.name)
+            if cached is not None and tiles and cached["fc1_tile_n"] != next(iter(tiles.values())).get("fc1_tile_n"):
+                cached = None  # another weight layout than the largest bucket's: not usable here
+            tiles[bucket.name] = cached or {}
+            self.knob_sources[bucket.name] = "knob cache" if cached else "defaults"
         try:
-            knobs = drop.default_bf16_ep_knobs(geometry, b.world_size, ranks_per_gpu, c.knobs)
-            self.frontend = drop.Bf16EpFrontend(geometry, knobs)
-            self.frontend.check()
+            self._set_profiles(geometry, tiles)
         except (TypeError, ValueError) as exc:
-            raise MoEEpConfigError(f"{c.kernel_name}: {exc}") from None
+            if isinstance(c.knobs, dict):
+                raise MoEEpConfigError(f"{c.kernel_name}: {exc}") from None
+            self._set_profiles(geometry, {name: {} for name in tiles})  # stale cache entries: the defaults
+            self.knob_sources = dict.fromkeys(tiles, "defaults")
+        if self.mode == "nvshmem":
+            self._agree_on_knobs()
         self.state: Any = None
+        self._pool_key: tuple | None = None
         self.w13: torch.Tensor | None = None
         self.w2: torch.Tensor | None = None
+        self._natural: tuple[torch.Tensor, torch.Tensor] | None = None  # kept for knobs="auto"
+        self.auto_pending = auto
+        self.tune_results: dict[str, Any] = {}
+        self.tune_stream: torch.cuda.Stream | None = None
+        if auto and self.mode == "loopback":
+            _LOOPBACK_AUTO.setdefault(id(b.loopback_group), {})[b.rank] = self
+
+    def _set_profiles(self, geometry: Any, tiles: dict[str, dict[str, int]]) -> None:
+        """One frontend per bucket (equal knobs share one); ``frontend`` is the largest bucket's."""
+        from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
+
+        b = self.bootstrap
+        by_knobs: dict[Any, Any] = {}
+        by_bucket: dict[str, Any] = {}
+        for bucket in self.buckets:
+            knobs = drop.default_bf16_ep_knobs(geometry, b.world_size, self.ranks_per_gpu, tiles[bucket.name])
+            if knobs not in by_knobs:
+                fe = drop.Bf16EpFrontend(geometry, knobs)
+                fe.check()
+                by_knobs[knobs] = fe
+            by_bucket[bucket.name] = by_knobs[knobs]
+        layouts = {fe.knobs.fc1_tile_n for fe in by_bucket.values()}
+        if len(layouts) != 1:
+            raise ValueError(f"every token bucket needs one fc1_tile_n (the weight layout), got {sorted(layouts)}")
+        self.by_bucket = by_bucket
+        self.frontend = by_bucket[self.buckets[-1].name]
+
+    def distinct_frontends(self) -> list[Any]:
+        out: list[Any] = []
+        for fe in self.by_bucket.values():
+            if all(fe is not o for o in out):
+                out.append(fe)
+        return out
+
+    def _agree_on_knobs(self) -> None:
+        """Every rank takes rank 0's knobs: the symmetric buffers they size must match on every rank,
+        and each node's knob cache may hold other entries (a broadcast over the EP group)."""
+        import torch.distributed as dist
+
+        from flashinfer.moe_ep.core.runtime.bootstrap import current_runtime
+        from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
+
+        rt = current_runtime()
+        if rt is None or rt.group is None:
+            return  # no runtime yet: allocate_workspace raises the error that says what to do
+        mine = {name: drop.ep_tile_knobs(fe.knobs) for name, fe in self.by_bucket.items()}
+        box = [(mine, self.knob_sources)]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(rt.group, 0), group=rt.group)
+        theirs, self.knob_sources = box[0]
+        if theirs != mine:
+            self._set_profiles(self.frontend.geometry, theirs)
 
     def preprocess_weights(self, weights: MoEWeightPack) -> None:
         self.check_unquantized_weights(weights, torch.bfloat16)
+        if self.auto_pending:
+            self._natural = (weights.w13, weights.w2)
         self.w13, self.w2 = self.frontend.prepare_weights(weights.w13, weights.w2)
+
+    def natural_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's weights in natural layouts (kept until ``knobs="auto"`` has been tuned)."""
+        if self._natural is None:
+            raise MoEEpConfigError("the natural-layout weights are kept only for knobs='auto'")
+        return self._natural
+
+    def make_provider(self) -> Any:
+        return self._provider()
 
     def _provider(self) -> Any:
         from flashinfer.moe_ep.core.runtime.bootstrap import current_runtime
@@ -75,22 +173,81 @@ class Sm90Bf16EpBackend(Sm90Bf16CutedslBackend):
             )
         return comm.make_provider("nvshmem", b.world_size, b.rank, self.device)
 
-    def allocate_workspace(self) -> None:
-        from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import EpRankState
+    def _peers_key(self) -> tuple:
+        """Pool key of the rank's EP state, less the rank: same kernel, capacity, device, EP group."""
+        b = self.bootstrap
+        group = ("loopback", id(b.loopback_group)) if self.mode == "loopback" else ("nvshmem",)
+        kernels = tuple(fe.key.digest() for fe in self.distinct_frontends())
+        return ("ep", kernels, self.fleet.max_tokens_per_rank, str(self.device), group, pool_owner(self))
 
-        with torch.cuda.device(self.device):
-            try:
-                self.state = EpRankState(
-                    self.frontend, self._provider(), self.bootstrap.rank, self.fleet.max_tokens_per_rank, self.device
-                )
-            except MemoryError as exc:
-                raise MoEEpConfigError(str(exc)) from None
+    def allocate_workspace(self) -> None:
+        """The rank's EP state from the pool (a collective allocation the first time: every rank
+        builds its layers in the same order, so they share, or allocate, in step)."""
+        from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import EpRankState, comm
+
+        rank = self.bootstrap.rank
+        key = (*self._peers_key(), rank)
+
+        def make() -> Any:
+            others = tuple(fe for fe in self.distinct_frontends() if fe is not self.frontend)
+            with torch.cuda.device(self.device):
+                return EpRankState(self.frontend, self._provider(), rank, self.fleet.max_tokens_per_rank, self.device,
+                                   others)  # fmt: skip
+
+        try:
+            self.state = comm.WORKSPACES.acquire(key, make)
+        except MemoryError as exc:
+            raise MoEEpConfigError(str(exc)) from None
+        self._pool_key = key
         if self.mode == "loopback":
-            _LOOPBACK_STATES.setdefault(id(self.bootstrap.loopback_group), {})[self.bootstrap.rank] = self.state
+            _LOOPBACK_STATES.setdefault(self._peers_key(), {})[rank] = self.state
 
     def warmup(self) -> None:
-        """Loads the kernel only: a forward is collective, so it cannot run one rank alone here."""
-        load_kernel(self.frontend)
+        """Loads every bucket's kernel (a forward is collective, so it cannot run one rank alone here);
+        with ``knobs="auto"`` first tunes them (collective: every rank calls warmup)."""
+        if self.auto_pending:
+            self._autotune()
+        for fe in self.distinct_frontends():
+            load_kernel(fe)
+
+    def _autotune(self) -> None:
+        b = self.bootstrap
+        if self.mode == "loopback":
+            peers = _LOOPBACK_AUTO.get(id(b.loopback_group), {})
+            if sorted(peers) != list(range(b.world_size)):
+                raise MoEEpConfigError(
+                    f"knobs='auto' with loopback ranks tunes every rank together: construct all {b.world_size} "
+                    f"ranks' layers before the first warmup() (found ranks {sorted(peers)})"
+                )
+            group = [peers[r] for r in range(b.world_size)]
+            for be in group:
+                be.tune_stream = torch.cuda.Stream(be.device)
+            results = ep_tuning.autotune_ep(group)
+            for be in group:  # in rank order: the loopback provider pairs the ranks' allocations
+                be._apply_tuned(results)
+            _LOOPBACK_AUTO.pop(id(b.loopback_group), None)
+        else:
+            from flashinfer.moe_ep.core.runtime.bootstrap import current_runtime
+
+            results = ep_tuning.autotune_ep([self], group=current_runtime().group)
+            self._apply_tuned(results)
+        if b.rank == 0:
+            for name, (result, tokens) in results.items():
+                ep_tuning.record_ep_knobs(self.frontend.geometry, self.context, name, result.winner,
+                                          result.winner_ms, tokens)  # fmt: skip
+
+    def _apply_tuned(self, results: dict[str, Any]) -> None:
+        """Rebuild kernels, weights and EP state for the winners (collective allocation, in lockstep)."""
+        from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
+
+        natural = self.natural_weights()
+        self.destroy()
+        self._set_profiles(self.frontend.geometry, {n: drop.ep_tile_knobs(r.winner) for n, (r, _) in results.items()})
+        self.w13, self.w2 = self.frontend.prepare_weights(*natural)
+        self.allocate_workspace()
+        self.tune_results = {n: r for n, (r, _) in results.items()}
+        self.knob_sources = dict.fromkeys(results, "autotune")
+        self.auto_pending, self._natural, self.tune_stream = False, None, None
 
     def _raise_if_aborted(self, wait: bool) -> None:
         hit = self.state.poll_abort(wait)
@@ -113,8 +270,8 @@ class Sm90Bf16EpBackend(Sm90Bf16CutedslBackend):
         anything a failed forward left behind, also on a rank that never ran it."""
         torch.cuda.synchronize(self.device)
         if self.mode == "loopback":
-            states = _LOOPBACK_STATES.get(id(self.bootstrap.loopback_group), {})
-            top = max(s.epoch for s in states.values())
+            states = _LOOPBACK_STATES.get(self._peers_key(), {})
+            top = max(s.device_epoch() for s in states.values())
             for s in states.values():  # one process holds every rank: set them all (idempotent)
                 s.resync(top)
             return
@@ -122,31 +279,43 @@ class Sm90Bf16EpBackend(Sm90Bf16CutedslBackend):
 
         from flashinfer.moe_ep.core.runtime.bootstrap import current_runtime
 
-        epoch = torch.tensor([self.state.epoch], dtype=torch.int64, device=self.device)
+        epoch = torch.tensor([self.state.device_epoch()], dtype=torch.int64, device=self.device)
         dist.all_reduce(epoch, op=dist.ReduceOp.MAX, group=current_runtime().group)
         self.state.resync(int(epoch.item()))
 
     def compute(self, staged: MoEEpTensors, output: torch.Tensor) -> torch.Tensor:
-        if torch.cuda.is_current_stream_capturing():
+        # the bucket of the rows given (a host shape; under a graph the captured rows, whatever num_tokens)
+        frontend = self.by_bucket[ep_tuning.bucket_of(self.world_size, staged.hidden_states.shape[0])]
+        capturing = torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            self._raise_if_aborted(wait=False)  # a finished earlier forward that aborted (no sync)
+        elif not frontend.is_loaded():
             raise MoEEpConfigError(
-                f"{self.config.kernel_name} at world_size > 1 cannot be captured in a CUDA graph yet: the "
-                "cross-rank epoch is a launch argument, so a replayed graph would reuse it and its waits "
-                "would pass on stale flags. Run the expert-parallel layer eagerly."
+                f"{self.config.kernel_name}: call warmup() on every rank before capturing a CUDA graph "
+                "(loading the kernel library inside a capture would stall the other ranks)"
             )
-        self._raise_if_aborted(wait=False)  # a finished earlier forward that aborted (no sync)
-        load_kernel(self.frontend)
+        load_kernel(frontend)
         timeout_ns = int(self.bootstrap.transport_timeout_s * 1e9)
         # T = 0 still launches: the rank must publish zero counts and take part in every signal.
         return self.state.launch(
-            staged.hidden_states, staged.topk_ids, staged.topk_weights, self.w13, self.w2, output, timeout_ns
-        )
+            frontend.load(),
+            staged.hidden_states, staged.topk_ids, staged.topk_weights, self.w13, self.w2, output, timeout_ns,
+            staged.num_tokens,
+        )  # fmt: skip
 
     def destroy(self) -> None:
+        _LOOPBACK_AUTO.get(id(self.bootstrap.loopback_group), {}).pop(self.bootstrap.rank, None)
         if self.state is not None:
-            if self.mode == "loopback":
-                _LOOPBACK_STATES.get(id(self.bootstrap.loopback_group), {}).pop(self.bootstrap.rank, None)
-            self.state.release()
+            from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import comm
+
+            last = comm.WORKSPACES.release(self._pool_key, lambda state: state.release())
+            if last and self.mode == "loopback":
+                peers = _LOOPBACK_STATES.get(self._peers_key(), {})
+                peers.pop(self.bootstrap.rank, None)
+                if not peers:
+                    _LOOPBACK_STATES.pop(self._peers_key(), None)
             self.state = None
+            self._pool_key = None
         self.w13 = self.w2 = None
 
 

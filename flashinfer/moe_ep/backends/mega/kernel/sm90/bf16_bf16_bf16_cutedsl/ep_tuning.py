@@ -1,0 +1,252 @@
+"""Token buckets, knob cache and collective autotune of the SM90 BF16 expert-parallel kernel.
+
+Token buckets: ``drop.tuner.TOKEN_BUCKETS`` over the GLOBAL token count ``world_size * T`` (the rows per
+expert that the owners' GEMMs see scale with it, as T does at world size 1), chosen per forward from
+this rank's ``T`` (a host shape; under a CUDA graph the captured rows). Each bucket has one knob set:
+``tile_m``, ``fc1_tile_n``, ``fc2_tile_n``; the FC1 tile is the weight layout, so every bucket takes the
+largest bucket's. Every bucket's kernel shares the rank's one EP state (buffers sized for all).
+Defaults: the same tiles in every bucket (64-row M tiles, N tiles up to 128, the shapes the loopback
+tests ran; EP has not been measured on several GPUs), so only the knob cache or autotune make the
+buckets differ.
+
+Autotune (``knobs="auto"`` at ``warmup()``, or the ``tune`` command): per bucket, largest first, at one
+T per rank (``bucket_plan``), ``drop.autotune`` over ``drop.ep_candidates`` (every valid tile
+combination; the bucket's current knobs are the incumbent), every rank in lockstep, a candidate
+failing anywhere dropped everywhere. The EP specifics:
+
+- per candidate every rank builds (loads) its kernel, its weights in that candidate's layout and a
+  fresh EP rank state: a symmetric allocation, collective, so the previous candidate's state is
+  released first and in the same order on every rank (over NVSHMEM the heap must hold the layer's
+  state and one candidate's at once);
+- the timed launch is the collective forward, host-timed with each launch synchronized; an expired
+  cross-rank wait fails the candidate (every rank's abort word is read after its timings; the other
+  ranks' waits expire too);
+- with loopback ranks (one process, one GPU) one call tunes every rank of the group: a candidate's
+  launch runs all ranks' forwards on their streams. Those timings say nothing about real EP (all ranks
+  share one GPU): they are recorded under the device name + ``LOOPBACK_SUFFIX``, so they never serve a
+  layer over NVSHMEM.
+
+Knob cache: family ``drop.EP_KNOB_FAMILY``, the bucket name, the GLOBAL geometry, the world size and
+device name of the context. ``knobs=None`` reads it (exact match per bucket, else the defaults); no
+compile and no collective on the serving path (over NVSHMEM rank 0's knobs are broadcast at
+construction, so every rank sizes the same symmetric buffers).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ......core.inputs import make_hidden_states, make_topk
+from ......errors import MoEEpBackendUnavailableError
+from .tuning import DEFAULT_MARGIN, _drop, tune_context_named
+
+#: appended to the device name of loopback tunings (see the module docstring)
+LOOPBACK_SUFFIX = " (loopback)"
+
+
+def ep_context(device: torch.device, world_size: int, loopback: bool) -> Any:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return tune_context_named(name + (LOOPBACK_SUFFIX if loopback else ""), world_size)
+
+
+def ep_buckets(world_size: int, max_tokens: int) -> tuple[Any, ...]:
+    """The token buckets a layer of per-rank capacity ``max_tokens`` reaches (global T), smallest first."""
+    return _drop().tuner.buckets_for(world_size * max(1, max_tokens))
+
+
+def bucket_of(world_size: int, tokens: int) -> str:
+    """The bucket of a forward with ``tokens`` rows on this rank."""
+    return _drop().tuner.bucket_of(world_size * tokens)
+
+
+def bucket_plan(world_size: int, max_tokens: int) -> list[tuple[Any, int]]:
+    """(bucket, T per rank to tune it at), largest bucket first; ``world_size * T`` stays in the bucket."""
+    tuner = _drop().tuner
+    plan = []
+    for b in reversed(ep_buckets(world_size, max_tokens)):
+        t = tuner.tune_tokens(b, world_size * max(1, max_tokens)) // world_size
+        plan.append((b, max(1, min(max_tokens, t))))
+    return plan
+
+
+def cached_ep_knobs(geometry: Any, context: Any, bucket: str, path: Path | None = None) -> dict[str, int] | None:
+    """The recorded tile knobs of ``geometry`` in ``context`` and ``bucket``, or None (a miss, the cache
+    off, an entry of other knobs)."""
+    drop = _drop()
+    key = drop.knob_cache.KnobKey.make(drop.EP_KNOB_FAMILY, geometry, bucket, context)
+    entry = drop.knob_cache.lookup(key, path)
+    if entry is None or set(entry.knobs) != set(drop.EP_TILE_KNOBS):
+        return None
+    return {k: int(v) for k, v in entry.knobs.items()}
+
+
+def describe_ep_knobs(knobs: Any) -> str:
+    return ", ".join(f"{k}={v}" for k, v in _drop().ep_tile_knobs(knobs).items())
+
+
+def record_ep_knobs(
+    geometry: Any, context: Any, bucket: str, knobs: Any, ms: float, tokens: int, path: Path | None = None
+) -> None:
+    drop = _drop()
+    key = drop.knob_cache.KnobKey.make(drop.EP_KNOB_FAMILY, geometry, bucket, context)
+    drop.knob_cache.record(key, drop.ep_tile_knobs(knobs), path, source="autotune", ms=ms, tokens=tokens)
+
+
+class _Candidate:
+    """One rank's resources for one candidate: kernel, weights in its layout, a fresh EP rank state,
+    random inputs of ``tokens`` rows."""
+
+    def __init__(self, backend: Any, knobs: Any, tokens: int) -> None:
+        drop = _drop()
+        self.frontend = drop.Bf16EpFrontend(backend.frontend.geometry, knobs)
+        self.frontend.check()
+        self.fn = self.frontend.load()  # the kernel cache (or a compile where CuTe DSL is installed)
+        w13, w2 = backend.natural_weights()
+        self.w13, self.w2 = self.frontend.prepare_weights(w13, w2)
+        with torch.cuda.device(backend.device):
+            self.state = drop.EpRankState(self.frontend, backend.make_provider(), backend.bootstrap.rank,
+                                          backend.fleet.max_tokens_per_rank, backend.device)  # fmt: skip
+        c = backend.config
+        gen = torch.Generator().manual_seed(4321 + backend.bootstrap.rank)
+        self.x = make_hidden_states(tokens, c.hidden_size, generator=gen, device=backend.device)
+        self.ids, self.w = make_topk(tokens, c.num_experts, c.top_k, generator=gen, device=backend.device)
+        self.out = torch.empty(tokens, c.hidden_size, dtype=torch.bfloat16, device=backend.device)
+        self.timeout_ns = int(backend.bootstrap.transport_timeout_s * 1e9)
+
+    def launch(self) -> None:
+        self.state.launch(self.fn, self.x, self.ids, self.w, self.w13, self.w2, self.out, self.timeout_ns)
+
+    def check(self) -> None:
+        """Raise when a cross-rank wait of the launches so far expired (reads the abort word)."""
+        hit = self.state.poll_abort(wait=True)
+        if hit is not None:
+            raise RuntimeError(f"cross-rank wait {self.state.describe_stage(hit[0])} on rank {hit[1]} expired")
+
+    def release(self) -> None:
+        self.state.release()
+
+
+def _timer(checks: Callable[[], None]) -> Callable[[Callable[[], Any], int], list[float]]:
+    """Host-timed launches (each one synchronized: a collective forward, so every rank is in step),
+    then ``checks`` (the abort words): an expired wait fails the candidate."""
+
+    def timer(launch: Callable[[], Any], iters: int) -> list[float]:
+        for _ in range(2):
+            launch()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            launch()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+        checks()
+        return times
+
+    return timer
+
+
+def autotune_ep(
+    backends: Sequence[Any],
+    *,
+    group: Any = None,
+    iters: int = 10,
+    margin: float = DEFAULT_MARGIN,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Tune every bucket of the EP layers in ``backends``: one backend per process (NVSHMEM, ``group`` =
+    the EP group, every rank calls this) or every rank of one loopback group (one call). Returns bucket
+    -> ``AutotuneResult`` (the same winners everywhere); the caller applies them."""
+    drop = _drop()
+    first = backends[0]
+    b = first.bootstrap
+    loopback = first.mode == "loopback"
+    current: list[list[_Candidate]] = [[]]
+
+    def release() -> None:
+        for c in current[0]:  # in rank order: the loopback provider pairs the ranks' allocations
+            c.release()
+        current[0] = []
+        torch.cuda.synchronize()
+
+    def checks() -> None:
+        for c in current[0]:
+            c.check()
+
+    results: dict[str, Any] = {}
+    pinned_fc1: int | None = None
+    for bucket, tokens in bucket_plan(b.world_size, first.fleet.max_tokens_per_rank):
+
+        def run_candidate(knobs: Any, tokens: int = tokens) -> Callable[[], None]:
+            release()  # the previous candidate's symmetric state first, in lockstep
+            current[0] = [_Candidate(be, knobs, tokens) for be in backends]
+            torch.cuda.synchronize()  # flags zeroed before any rank signals (autotune's barrier follows)
+            if not loopback:
+                return current[0][0].launch
+            streams = [be.tune_stream for be in backends]
+
+            def launch_all() -> None:
+                main = torch.cuda.current_stream()
+                for c, s in zip(current[0], streams, strict=True):
+                    s.wait_stream(main)
+                    with torch.cuda.stream(s):
+                        c.launch()
+                for s in streams:
+                    main.wait_stream(s)
+
+            return launch_all
+
+        incumbent = first.by_bucket[bucket.name].knobs
+        if pinned_fc1 is not None:  # the weight layout is the largest bucket's
+            tiles = {**drop.ep_tile_knobs(incumbent), "fc1_tile_n": pinned_fc1}
+            incumbent = drop.default_bf16_ep_knobs(
+                first.frontend.geometry, incumbent.world_size, incumbent.ranks_per_gpu, tiles
+            )
+        cands = [incumbent] + [
+            k
+            for k in drop.ep_candidates(first.frontend.geometry, b.world_size, incumbent.ranks_per_gpu)
+            if k != incumbent and (pinned_fc1 is None or k.fc1_tile_n == pinned_fc1)
+        ]
+        label = f"autotune {first.config.kernel_name} world {b.world_size} {bucket.name} T={tokens}/rank" + (
+            " (loopback)" if loopback else ""
+        )
+        try:
+            result = drop.autotune.autotune(
+                cands,
+                run_candidate,
+                group=None if loopback else group,
+                rank=0 if loopback else b.rank,
+                world_size=1 if loopback else b.world_size,
+                timer=_timer(checks),
+                iters=iters,
+                progress=progress,
+                label=label,
+                incumbent=incumbent,
+                margin=margin,
+            )
+        except drop.autotune.AutotuneError as exc:
+            raise MoEEpBackendUnavailableError(str(exc)) from None
+        finally:
+            release()
+        results[bucket.name] = (result, tokens)
+        if pinned_fc1 is None:
+            pinned_fc1 = result.winner.fc1_tile_n
+    return results
+
+
+__all__ = [
+    "LOOPBACK_SUFFIX",
+    "autotune_ep",
+    "bucket_of",
+    "bucket_plan",
+    "cached_ep_knobs",
+    "describe_ep_knobs",
+    "ep_buckets",
+    "ep_context",
+    "record_ep_knobs",
+]
