@@ -131,6 +131,15 @@ def variants() -> list[dict]:
         )
         out.append(
             dict(
+                name=f"{model}_dlay",  # the layer's decode profile before: 64 / 256 / 128
+                role="compare",
+                model=model,
+                kw=dict(activation="swiglu", tile_m=64, fc1_tile_n=256, fc2_tile_n=128),
+                **dims,
+            )
+        )
+        out.append(
+            dict(
                 name=f"{model}_dec",
                 role="perf",
                 model=model,
