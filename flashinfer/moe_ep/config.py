@@ -56,13 +56,17 @@ class BootstrapConfig:
             raise MoEEpConfigError("BootstrapConfig.transport_timeout_s must be > 0")
 
     def resolved_device(self) -> torch.device:
+        """This rank's device, with its index for CUDA ("cuda" means the current device)."""
         if self.device is None:
             if torch.cuda.is_available():
                 return torch.device("cuda", torch.cuda.current_device())
             return torch.device("cpu")
         if isinstance(self.device, int):
             return torch.device("cuda", self.device)
-        return torch.device(self.device)
+        dev = torch.device(self.device)
+        if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return dev
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,11 @@ def check_forward_inputs(
     check_values: bool = True,
 ) -> int:
     """Validate one forward's inputs; returns T."""
+    if _all_well_formed(hidden_states, topk_ids, topk_weights, output, hidden_size, top_k, max_tokens, device):
+        t = hidden_states.shape[0]  # the common case: no per-field checks (host time of every eager forward)
+        if check_values and t > 0 and not _capturing(device):
+            check_topk_values(topk_ids, topk_weights, num_experts)
+        return t
     check_tensor("hidden_states", hidden_states, shape=(None, hidden_size), dtype=torch.bfloat16, device=device)
     t = hidden_states.shape[0]
     if t > max_tokens:
@@ -81,6 +86,44 @@ def check_forward_inputs(
     if check_values and t > 0 and not _capturing(device):
         check_topk_values(topk_ids, topk_weights, num_experts)
     return t
+
+
+def _well_formed(t: object, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> bool:
+    return (
+        isinstance(t, torch.Tensor)
+        and t.dtype == dtype
+        and t.dim() == 2
+        and t.shape[0] == rows
+        and t.shape[1] == cols
+        and t.device == device
+        and t.is_contiguous()
+    )
+
+
+def _all_well_formed(
+    x: object,
+    ids: object,
+    w: object,
+    out: object,
+    hidden: int,
+    top_k: int,
+    max_tokens: int,
+    device: torch.device,
+) -> bool:
+    """One pass over every rule ``check_forward_inputs`` enforces, without building messages; False
+    sends the call through the per-field checks, which name what is wrong. ``device`` must carry its
+    index (a bare "cuda" never matches here, only in the slow path)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        return False
+    t = x.shape[0]
+    return (
+        t <= max_tokens
+        and _well_formed(x, t, hidden, torch.bfloat16, device)
+        and _well_formed(ids, t, top_k, torch.int32, device)
+        and _well_formed(w, t, top_k, torch.float32, device)
+        and (out is None or (_well_formed(out, t, hidden, torch.bfloat16, device)
+                             and (t == 0 or out.data_ptr() != x.data_ptr())))  # type: ignore[union-attr]
+    )  # fmt: skip
 
 
 def check_live_tokens(num_tokens: object, t: int, device: torch.device, read_value: bool) -> int | None:

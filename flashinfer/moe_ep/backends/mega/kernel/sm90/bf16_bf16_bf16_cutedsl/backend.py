@@ -21,6 +21,20 @@ from . import tuning
 from .config import Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig
 
 
+def _bucket_of(tokens: int) -> str:
+    """The drop's token bucket of ``tokens`` (imported on first use: importing the backend never
+    imports the drop)."""
+    global _BUCKET_OF
+    if _BUCKET_OF is None:
+        from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import tuner
+
+        _BUCKET_OF = tuner.bucket_of
+    return _BUCKET_OF(tokens)
+
+
+_BUCKET_OF: Any = None
+
+
 def make_frontend(config: Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig, num_local_experts: int) -> Any:
     """The drop's BF16 frontend for ``config``'s explicit knobs, else the base defaults (``None`` and
     ``"auto"``); used by the build and bench commands. A layer uses ``tuning.layer_profiles``."""
@@ -126,9 +140,7 @@ class Sm90Bf16CutedslBackend(MegaKernelBackend):
         t = staged.hidden_states.shape[0]
         if t == 0:
             return output  # nothing to do at world size 1
-        from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import tuner
-
-        frontend, workspace = self._by_bucket[tuner.bucket_of(t)]  # a host-side shape: no device sync
+        frontend, workspace = self._by_bucket[_bucket_of(t)]  # a host-side shape: no device sync
         load_kernel(frontend)
         return frontend.launch(
             staged.hidden_states, staged.topk_ids, staged.topk_weights, self.w13, self.w2, output, workspace

@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""Where the host time of one eager ``forward`` goes (GPU machine, prebuilt kernel cache).
+
+At small T the GPU work of a forward (~40 us in a CUDA graph on qwen3-30b-a3b) is shorter than the
+host path that enqueues it, so eager latency is host-bound. This times the host side of 100 calls
+enqueued behind a long ``torch.cuda._sleep`` (so the GPU never pushes back on the host) for: the
+layer's ``forward``, the backend's ``compute``, the frontend's ``launch``, the bare TVM-FFI function,
+and the input validation alone; then prints a cProfile of ``forward``.
+
+    source .gpu/env.sh && FLASHINFER_MOE_EP_KERNEL_CACHE=.kcache python scripts/host_overhead.py
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import flashinfer.moe_ep as moe
+from flashinfer.moe_ep.core.contracts import get_contract
+from flashinfer.moe_ep.core.inputs import make_expert_weights, make_hidden_states, make_topk
+from flashinfer.moe_ep.core.validation import check_forward_inputs
+
+
+def per_call_us(fn, n: int = 100, rounds: int = 5) -> float:
+    """Median over ``rounds`` of the host time per call of ``n`` calls queued behind a GPU sleep."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(rounds):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the calls
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        samples.append((time.perf_counter() - t0) / n * 1e6)
+        torch.cuda.synchronize()
+    return sorted(samples)[len(samples) // 2]
+
+
+def main() -> int:
+    c = get_contract("qwen3-30b-a3b")
+    cfg = moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(c.hidden_size, c.intermediate_size, c.num_experts, c.top_k)
+    w13, w2 = make_expert_weights(c.num_experts, c.hidden_size, c.intermediate_size, device="cuda")
+    layer = moe.MoEEpLayer(moe.BootstrapConfig(device="cuda"), moe.FleetParams(c.num_experts, 4096, c.hidden_size),
+                           moe.MoEWeightPack(w13, w2), moe.MegaConfig(cfg), check_values=False)  # fmt: skip
+    layer.warmup()
+    be = layer.backend
+    t = 1
+    x = make_hidden_states(t, c.hidden_size, device="cuda")
+    ids, w = make_topk(t, c.num_experts, c.top_k, device="cuda")
+    out = torch.empty(t, c.hidden_size, dtype=torch.bfloat16, device="cuda")
+    inputs = moe.MoEEpTensors(x, ids, w)
+    from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import tuner
+
+    fe, ws = be._by_bucket[tuner.bucket_of(t)]
+    fn = fe.load()
+    args = (x, ids, w, be.w13, be.w2, out, *ws.values())
+    rows = [
+        ("layer.forward", lambda: layer.forward(inputs, output=out)),
+        ("backend.compute", lambda: be.compute(inputs, out)),
+        ("frontend.launch", lambda: fe.launch(x, ids, w, be.w13, be.w2, out, ws)),
+        ("TVM-FFI fn (5 kernels)", lambda: fn(*args)),
+        ("check_forward_inputs", lambda: check_forward_inputs(x, ids, w, hidden_size=c.hidden_size, top_k=c.top_k,
+                                                              num_experts=c.num_experts, max_tokens=4096,
+                                                              device=be.device, output=out, check_values=False)),
+    ]  # fmt: skip
+    for name, f in rows:
+        print(f"{name:26s} {per_call_us(f):7.1f} us host per call", flush=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(10):
+        torch.cuda._sleep(200_000_000)
+        for _ in range(100):
+            layer.forward(inputs, output=out)
+        torch.cuda.synchronize()
+    prof.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(15)
+    print(s.getvalue())
+    layer.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
