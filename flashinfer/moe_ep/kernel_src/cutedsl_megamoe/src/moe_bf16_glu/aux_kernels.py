@@ -17,6 +17,10 @@ import cutlass.cute as cute
 
 from ..common import constants
 
+#: the pair table pairs M blocks by expert when the non-empty experts have at most this many blocks on
+#: average (few blocks per expert: many pairs would straddle two experts), else adjacent blocks
+PAIR_BY_EXPERT_MAX_BLOCKS = 2
+
 # meta[] slots written by the routing kernel.
 META_NUM_M_BLOCKS = 0
 META_NUM_ROWS = 1
@@ -182,28 +186,61 @@ def _write_pair_table(
     blocks: cutlass.Int32,
     incl_blocks: cutlass.Int32,  # this thread's inclusive block count (the last thread's: every block)
 ):
-    """The expert-aware cluster schedule: ``m_block_expert[half + 2 g + r]`` = the M block that CTA r of
-    cluster group g takes (``half`` = len / 2).
+    """The cluster schedule: ``m_block_expert[half + 2 g + r]`` = the M block that CTA r of cluster
+    group g takes (``half`` = len / 2). The group count is ceil(blocks / 2) either way.
 
-    Thread e (expert e, ``blocks`` M blocks from ``first``) owns ``blocks // 2`` shared pairs (two
-    blocks of e: one weight tile for both) and, for an odd count, one leftover block. Leftovers pair
-    up in expert order (two experts: unshared); an odd leftover count ends with the phantom block.
-    Groups run in expert order: expert e's shared pairs, then the leftover pair that e's leftover
-    opens, so every group's weights are read close in time to the other groups of its experts (L2
-    reuse). The group count is ceil(blocks / 2), as without the table.
+    Expert-aware (at most ``PAIR_BY_EXPERT_MAX_BLOCKS`` M blocks per non-empty expert on average, e.g.
+    deepseek-v3 at T = 4096): thread e (expert e, ``blocks`` M blocks from ``first``) owns
+    ``blocks // 2`` shared pairs (two blocks of e: one weight tile for both) and, for an odd count,
+    one leftover block. Leftovers pair up in expert order (two experts: unshared); an odd leftover
+    count ends with the phantom block. Groups run in expert order: expert e's shared pairs, then the
+    leftover pair that e's leftover opens, so every group's weights are read close in time to the
+    other groups of its experts (L2 reuse).
+
+    Adjacent (more blocks per expert): group g takes blocks 2g and 2g + 1 (the phantom closes an odd
+    count). Measured (TUNING.md, drop v7): with many blocks per expert the two schedules pair almost
+    the same blocks and the adjacent one was 2-4 % faster at some of those points.
     """
     half = m_block_expert.shape[0] // 2
     shared = blocks // 2
     left = blocks - 2 * shared
     s_incl = _cta_inclusive_scan(shared, s_scan, tid)
     l_excl = _cta_inclusive_scan(left, s_scan, tid) - left
+    busy = _cta_inclusive_scan(cutlass.Int32(blocks > 0), s_scan, tid)
     last = constants.ROUTING_THREADS - 1
     if tid == last:
         s_scan[0] = l_excl + left  # leftover total
         s_scan[1] = incl_blocks  # block total: the phantom block's index
+        s_scan[2] = busy  # non-empty experts
     cute.arch.sync_threads()
     l_tot = s_scan[0]
     num_blocks = s_scan[1]
+    by_expert = num_blocks <= PAIR_BY_EXPERT_MAX_BLOCKS * s_scan[2]
+    cute.arch.sync_threads()  # s_scan[0..2] read by everyone before the slots below reuse it
+    if not by_expert:
+        for g in cutlass.range(tid, (num_blocks + 1) // 2, constants.ROUTING_THREADS):
+            m_block_expert[half + 2 * g] = 2 * g
+            m_block_expert[half + 2 * g + 1] = 2 * g + 1  # = num_blocks (the phantom) for an odd count
+    else:
+        _write_expert_pairs(m_block_expert, s_scan, half, first, blocks, shared, left, s_incl, l_excl, l_tot,
+                            num_blocks)  # fmt: skip
+
+
+@cute.jit
+def _write_expert_pairs(
+    m_block_expert: cute.Tensor,
+    s_scan: cute.Tensor,
+    half: cutlass.Int32,
+    first: cutlass.Int32,
+    blocks: cutlass.Int32,
+    shared: cutlass.Int32,
+    left: cutlass.Int32,
+    s_incl: cutlass.Int32,
+    l_excl: cutlass.Int32,
+    l_tot: cutlass.Int32,
+    num_blocks: cutlass.Int32,
+):
+    """The expert-aware table of ``_write_pair_table`` (every routing thread calls it)."""
     # Shared pair j of e: after the j shared pairs and the ceil(l_excl / 2) leftover pairs opened
     # by experts before e.
     s_excl = s_incl - shared
@@ -214,7 +251,6 @@ def _write_pair_table(
         m_block_expert[half + 2 * pos + 1] = first + 2 * i + 1
     # A leftover with an even index opens pair q = l_excl / 2 right after e's shared pairs; the
     # expert holding index l_excl + 1 (or the phantom) fills its second slot.
-    cute.arch.sync_threads()  # s_scan[0..1] read by everyone before the slots below reuse it
     if left > 0:
         q = l_excl // 2
         if l_excl % 2 == 0:

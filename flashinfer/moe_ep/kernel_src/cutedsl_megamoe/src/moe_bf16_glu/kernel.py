@@ -44,11 +44,13 @@ class Sm90MegaMoEBf16Kernel:
         workspace spec: the block count is rounded up to a multiple of it).
     :param pair_by_expert: with ``cluster_m=2``, which two M blocks a cluster takes. False: blocks
         2g and 2g+1 of the expert-major order (a pair straddles two experts whenever an expert's
-        blocks start at an odd index). True: the routing writes a pair table: every expert's blocks
-        in pairs (they share weight tiles), its odd last block paired with the next expert's odd
-        last block (unshared), groups in expert order. None (default): True with ``cluster_m=2``.
-        Measured on H200 (TUNING.md, drop v6): deepseek-v3 T=4096 8 % faster, qwen3-235b-a22b
-        T=16384 1-2 %, qwen3-30b-a3b T=16384 7 % slower, the other prefill points even.
+        blocks start at an odd index). True: the routing writes a pair table: when the non-empty
+        experts have at most two M blocks on average, every expert's blocks in pairs (they share
+        weight tiles) and its odd last block with the next expert's odd last block (unshared),
+        groups in expert order; with more blocks per expert, blocks 2g and 2g+1. None (default):
+        True with ``cluster_m=2``. Measured on H200 (TUNING.md, drops v6-v7): deepseek-v3 T=4096
+        5-8 % faster than 2g/2g+1; expert pairs at many blocks per expert (deepseek-v3 T=16384) were
+        4-5 % slower, hence the switch.
     :param stage_mask: debugging/profiling only: bit i enables stage i (routing, gather, FC1,
         FC2, combine); anything but 0b11111 gives wrong results (and masking out routing leaves
         ``expert_count`` non-zero).
