@@ -16,9 +16,10 @@ from .frontend import Geometry, KernelFrontend, check_glu_geometry
 class Bf16Knobs:
     """Compile-time knobs of the BF16 kernel (all output-neutral: tiles, stages, grid, clusters).
 
-    ``cluster_m=2`` pairs two CTAs on two M tiles (the drop's expert-aware schedule from v6: an
-    expert's tiles in pairs, odd last tiles of neighbouring experts together); when both tiles
-    belong to one expert they share each weight tile (TMA multicast), otherwise each loads its own.
+    ``cluster_m=2`` pairs two CTAs on two M tiles (the drop's pair table, v7: with few tiles per
+    expert an expert's tiles in pairs and odd last tiles of neighbouring experts together, else
+    adjacent tiles); when both tiles belong to one expert they share each weight tile (TMA
+    multicast), otherwise each loads its own.
     """
 
     tile_m: int = 128

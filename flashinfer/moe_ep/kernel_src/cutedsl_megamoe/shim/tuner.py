@@ -134,7 +134,7 @@ BF16_PROFILES: dict[str, dict[str, Any]] = {
 }
 BF16_PROFILES_SOURCE = (
     "H200 sweeps 2026-11-29 (TUNING.md): decode = tile_m 64 / fc2_tile_n 128; mid = defaults; "
-    "prefill = cluster_m 2 (drop v4; expert-aware cluster pairs from drop v6)"
+    "prefill = cluster_m 2 (drop v4; the cluster pair table of drops v6-v7)"
 )
 
 
