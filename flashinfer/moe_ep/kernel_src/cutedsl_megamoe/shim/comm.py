@@ -6,7 +6,7 @@ NVSHMEM initialized by ``core.runtime.bootstrap``), ``loopback`` (R logical rank
 Workspace pool: layers with one geometry (same kernel key and capacity, same device and provider)
 share one workspace, refcounted, so a 60-layer model pays for one workspace, not 60. Sharing is safe
 because the layers of one model run one after another on one stream; two layers that may run
-concurrently must not share (pass ``share=False``).
+concurrently must not share (``MegaKernelConfig(share_workspace=False)`` keeps a layer private).
 """
 
 from __future__ import annotations
