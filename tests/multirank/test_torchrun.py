@@ -63,6 +63,30 @@ def _global_case(seed: int, tokens_per_rank: list[int], e: int, h: int, i: int, 
     return w13, w2, x, ids, w
 
 
+def _mine(tokens: list[int]) -> slice:
+    """This rank's rows of the concatenated global inputs."""
+    return slice(sum(tokens[:RANK]), sum(tokens[: RANK + 1]))
+
+
+def _my_experts(num_experts: int) -> slice:
+    """This rank's experts of the global weights."""
+    e_local = num_experts // WORLD
+    return slice(RANK * e_local, (RANK + 1) * e_local)
+
+
+def _rank_layer(runtime, config, w13, w2, max_tokens: int, **kwargs):
+    """This rank's layer of ``config`` (its E / WORLD experts of the global ``w13``/``w2``)."""
+    experts = _my_experts(config.num_experts)
+    dev = runtime.device
+    return moe.MoEEpLayer(
+        moe.BootstrapConfig(world_size=WORLD, rank=RANK, device=dev, process_group=runtime.group),
+        moe.FleetParams(config.num_experts, max_tokens, config.hidden_size),
+        moe.MoEWeightPack(w13[experts].contiguous().to(dev), w2[experts].contiguous().to(dev)),
+        backend=moe.MegaConfig(config),
+        **kwargs,
+    )
+
+
 @pytest.mark.parametrize("routing", ["uniform", "skewed", "one_expert"])
 def test_reference_backend_over_nccl_matches_the_all_gather_oracle(runtime, routing: str) -> None:
     e, h, i, k = 8 * WORLD, 256, 128, 4
@@ -71,15 +95,8 @@ def test_reference_backend_over_nccl_matches_the_all_gather_oracle(runtime, rout
     tokens[-1] = 0  # a zero-token rank
     w13, w2, x, ids, w = _global_case(seed, tokens, e, h, i, k, routing)
     dev = runtime.device
-    e_local = e // WORLD
-    mine = slice(sum(tokens[:RANK]), sum(tokens[: RANK + 1]))
-    experts = slice(RANK * e_local, (RANK + 1) * e_local)
-    layer = moe.MoEEpLayer(
-        moe.BootstrapConfig(world_size=WORLD, rank=RANK, device=dev, process_group=runtime.group),
-        moe.FleetParams(e, 64, h),
-        moe.MoEWeightPack(w13[experts].contiguous().to(dev), w2[experts].contiguous().to(dev)),
-        backend=moe.MegaConfig(moe.ReferenceMegaMoeConfig(h, i, e, k)),
-    )
+    mine = _mine(tokens)
+    layer = _rank_layer(runtime, moe.ReferenceMegaMoeConfig(h, i, e, k), w13, w2, 64)
     out = layer.forward(moe.MoEEpTensors(x[mine].to(dev), ids[mine].to(dev), w[mine].to(dev)))
     # all-gather oracle: every rank's output gathered, compared with the single-process reference
     cap = max(tokens)  # all_gather needs equal sizes: pad every rank's output to the largest T
@@ -111,9 +128,7 @@ def test_split_ep_baseline_matches_the_reference(runtime) -> None:
     tokens[0] = 0  # a zero-token rank
     w13, w2, x, ids, w = _global_case(77, tokens, e, h, i, k, "skewed")
     dev = runtime.device
-    e_local = e // WORLD
-    mine = slice(sum(tokens[:RANK]), sum(tokens[: RANK + 1]))
-    experts = slice(RANK * e_local, (RANK + 1) * e_local)
+    mine, experts = _mine(tokens), _my_experts(e)
     out = split_ep_moe(x[mine].to(dev), ids[mine].to(dev), w[mine].to(dev),
                        w13[experts].to(dev).transpose(1, 2), w2[experts].to(dev).transpose(1, 2),
                        group=runtime.group)  # fmt: skip
@@ -153,17 +168,9 @@ def test_sm90_ep_layer_over_nvshmem_matches_the_all_gather_oracle(runtime, routi
     tokens[-1] = 0
     w13, w2, x, ids, w = _global_case(2000 + len(routing), tokens, e, h, i, k, routing)
     dev = runtime.device
-    e_local = e // WORLD
-    mine = slice(sum(tokens[:RANK]), sum(tokens[: RANK + 1]))
-    experts = slice(RANK * e_local, (RANK + 1) * e_local)
+    mine = _mine(tokens)
     cfg = moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(h, i, e, k)
-    layer = moe.MoEEpLayer(
-        moe.BootstrapConfig(world_size=WORLD, rank=RANK, device=dev, process_group=runtime.group),
-        moe.FleetParams(e, SM90_EP_MAX_TOKENS, h),
-        moe.MoEWeightPack(w13[experts].contiguous().to(dev), w2[experts].contiguous().to(dev)),
-        backend=moe.MegaConfig(cfg),
-        check_values=False,
-    )
+    layer = _rank_layer(runtime, cfg, w13, w2, SM90_EP_MAX_TOKENS, check_values=False)
     layer.warmup()
     inputs = moe.MoEEpTensors(x[mine].to(dev), ids[mine].to(dev), w[mine].to(dev))
     out = torch.full((tokens[RANK], h), float("nan"), dtype=torch.bfloat16, device=dev)
@@ -199,16 +206,9 @@ def test_sm90_ep_layer_graph_replays_with_other_live_token_counts(runtime, routi
     h, i, k, cap = g["hidden_size"], g["intermediate_size"], g["top_k"], SM90_EP_MAX_TOKENS
     e = g["experts_per_rank"] * WORLD
     dev = runtime.device
-    e_local = e // WORLD
-    experts = slice(RANK * e_local, (RANK + 1) * e_local)
     w13, w2, _, _, _ = _global_case(3000, [1] * WORLD, e, h, i, k, routing)
-    layer = moe.MoEEpLayer(
-        moe.BootstrapConfig(world_size=WORLD, rank=RANK, device=dev, process_group=runtime.group),
-        moe.FleetParams(e, cap, h),
-        moe.MoEWeightPack(w13[experts].contiguous().to(dev), w2[experts].contiguous().to(dev)),
-        backend=moe.MegaConfig(moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(h, i, e, k)),
-        check_values=False,
-    )
+    cfg = moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(h, i, e, k)
+    layer = _rank_layer(runtime, cfg, w13, w2, cap, check_values=False)
     layer.warmup()
     x_buf = torch.zeros(cap, h, dtype=torch.bfloat16, device=dev)
     ids_buf = torch.zeros(cap, k, dtype=torch.int32, device=dev)
@@ -229,7 +229,7 @@ def test_sm90_ep_layer_graph_replays_with_other_live_token_counts(runtime, routi
         tokens = [(11 * (r + 1) + 17 * case) % (cap + 1) for r in range(WORLD)]
         tokens[case % WORLD] = 0
         _, _, x, ids, w = _global_case(seed, tokens, e, h, i, k, routing)
-        mine = slice(sum(tokens[:RANK]), sum(tokens[: RANK + 1]))
+        mine = _mine(tokens)
         t = tokens[RANK]
         x_buf.normal_()  # garbage past the live rows: it must not matter
         ids_buf.fill_(-1)
@@ -272,16 +272,9 @@ def test_sm90_ep_layer_knobs_auto_over_nvshmem(runtime, tmp_path) -> None:
     tokens = [(23 * (r + 1)) % SM90_EP_MAX_TOKENS + 1 for r in range(WORLD)]
     w13, w2, x, ids, w = _global_case(4000, tokens, e, h, i, k, "uniform")
     dev = runtime.device
-    e_local = e // WORLD
-    mine = slice(sum(tokens[:RANK]), sum(tokens[: RANK + 1]))
-    experts = slice(RANK * e_local, (RANK + 1) * e_local)
-    layer = moe.MoEEpLayer(
-        moe.BootstrapConfig(world_size=WORLD, rank=RANK, device=dev, process_group=runtime.group),
-        moe.FleetParams(e, SM90_EP_MAX_TOKENS, h),
-        moe.MoEWeightPack(w13[experts].contiguous().to(dev), w2[experts].contiguous().to(dev)),
-        backend=moe.MegaConfig(moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(h, i, e, k, knobs="auto")),
-        check_values=False,
-    )
+    mine = _mine(tokens)
+    cfg = moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(h, i, e, k, knobs="auto")
+    layer = _rank_layer(runtime, cfg, w13, w2, SM90_EP_MAX_TOKENS, check_values=False)
     layer.warmup()  # collective: the autotune
     assert sorted(layer._backend.tune_results) == sorted(b.name for b in layer._backend.buckets)
     tiles = [v for fe in layer._backend.by_bucket.values() for v in drop.ep_tile_knobs(fe.knobs).values()]

@@ -119,11 +119,7 @@ class Sm90Bf16EpBackend(Sm90Bf16CutedslBackend):
         self.frontend = by_bucket[self.buckets[-1].name]
 
     def distinct_frontends(self) -> list[Any]:
-        out: list[Any] = []
-        for fe in self.by_bucket.values():
-            if all(fe is not o for o in out):
-                out.append(fe)
-        return out
+        return tuning.distinct(self.by_bucket.values())
 
     def _agree_on_knobs(self) -> None:
         """Every rank takes rank 0's knobs: the symmetric buffers they size must match on every rank,

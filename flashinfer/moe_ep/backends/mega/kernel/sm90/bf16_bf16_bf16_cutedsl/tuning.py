@@ -45,6 +45,15 @@ def tune_context_named(device_name: str, world_size: int = 1) -> Any:
     return _drop().knob_cache.TuneContext(device_name=device_name, world_size=world_size)
 
 
+def distinct(frontends: Any) -> list[Any]:
+    """Each frontend once (by identity: buckets with equal knobs share one), in order."""
+    out: list[Any] = []
+    for fe in frontends:
+        if all(fe is not o for o in out):
+            out.append(fe)
+    return out
+
+
 @dataclass
 class Profiles:
     """The frontend of each bucket (identical knobs share one frontend), largest bucket last."""
@@ -59,11 +68,7 @@ class Profiles:
         return self.frontends[self.buckets[-1].name]
 
     def distinct(self) -> list[Any]:
-        out: list[Any] = []
-        for fe in self.frontends.values():
-            if all(fe is not o for o in out):
-                out.append(fe)
-        return out
+        return distinct(self.frontends.values())
 
     def describe(self) -> str:
         return "; ".join(
@@ -238,6 +243,7 @@ __all__ = [
     "build_winners",
     "tune_context_named",
     "describe_knobs",
+    "distinct",
     "knob_cache_file",
     "layer_profiles",
     "make_geometry",
