@@ -86,14 +86,13 @@ class MoEEpMegaLayer:
         )
         if output is None:
             output = torch.empty(t, c.hidden_size, dtype=torch.bfloat16, device=self.device)
+        target = output
         if live_given:
             tensors, rows = self._live_rows(tensors, t)
-            if rows is not None:  # host fallback: run the backend on the live rows only
-                staged = backend.stage_inputs(tensors)
-                backend.compute(staged, output[:rows])
-                return output
-        staged = backend.stage_inputs(tensors)
-        return backend.compute(staged, output)
+            if rows is not None:  # host fallback: the backend runs on the live rows only
+                target = output[:rows]
+        backend.compute(backend.stage_inputs(tensors), target)
+        return output
 
     def _live_rows(self, tensors: MoEEpTensors, t: int) -> tuple[MoEEpTensors, int | None]:
         """Validate ``tensors.num_tokens``. A backend that reads it on the device gets it as is (returns

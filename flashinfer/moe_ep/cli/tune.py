@@ -4,11 +4,11 @@ the kernel cache (a server then starts with ``knobs=None`` without compiling or 
 One rank: ``python -m flashinfer.moe_ep tune --contract qwen3-30b-a3b --max-tokens 256 1024 4096``
 (one T per token bucket).
 
-Expert parallelism (the SM90 BF16 EP kernel, one knob set per layer, tuned at one T per rank: the
-largest ``--max-tokens``): ``torchrun --nproc_per_node=N -m flashinfer.moe_ep tune --contract ...``
-(NVSHMEM, every rank in lockstep: ``ep_tuning``), or ``--loopback R`` (R ranks in this process on one
-GPU: exercises the protocol; its timings are recorded under "<device> (loopback)" and never serve a
-real EP layer).
+Expert parallelism (the SM90 BF16 EP kernel: every token bucket of a layer whose per-rank capacity is
+the largest ``--max-tokens``, see ``ep_tuning.bucket_plan``):
+``torchrun --nproc_per_node=N -m flashinfer.moe_ep tune --contract ...`` (NVSHMEM, every rank in
+lockstep), or ``--loopback R`` (R ranks in this process on one GPU: exercises the protocol; its
+timings are recorded under "<device> (loopback)" and never serve a real EP layer).
 """
 
 from __future__ import annotations

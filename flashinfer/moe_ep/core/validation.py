@@ -65,11 +65,27 @@ def check_forward_inputs(
     check_values: bool = True,
 ) -> int:
     """Validate one forward's inputs; returns T."""
-    if _all_well_formed(hidden_states, topk_ids, topk_weights, output, hidden_size, top_k, max_tokens, device):
-        t = hidden_states.shape[0]  # the common case: no per-field checks (host time of every eager forward)
-        if check_values and t > 0 and not _capturing(device):
-            check_topk_values(topk_ids, topk_weights, num_experts)
-        return t
+    # The common case passes one check of every rule; the per-field checks below name what is wrong.
+    if not _all_well_formed(hidden_states, topk_ids, topk_weights, output, hidden_size, top_k, max_tokens, device):
+        _check_forward_fields(hidden_states, topk_ids, topk_weights, output, hidden_size, top_k, max_tokens, device)
+    t = hidden_states.shape[0]
+    if check_values and t > 0 and not _capturing(device):
+        check_topk_values(topk_ids, topk_weights, num_experts)
+    return t
+
+
+def _check_forward_fields(
+    hidden_states: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    output: torch.Tensor | None,
+    hidden_size: int,
+    top_k: int,
+    max_tokens: int,
+    device: torch.device,
+) -> None:
+    """The rules of ``_all_well_formed`` one field at a time, raising ``MoEEpInputError`` on the first
+    broken one with what it expected and what it got."""
     check_tensor("hidden_states", hidden_states, shape=(None, hidden_size), dtype=torch.bfloat16, device=device)
     t = hidden_states.shape[0]
     if t > max_tokens:
@@ -83,9 +99,6 @@ def check_forward_inputs(
         check_tensor("output", output, shape=(t, hidden_size), dtype=torch.bfloat16, device=device)
         if output.data_ptr() == hidden_states.data_ptr() and t > 0:
             raise MoEEpInputError("output must not alias hidden_states")
-    if check_values and t > 0 and not _capturing(device):
-        check_topk_values(topk_ids, topk_weights, num_experts)
-    return t
 
 
 def _well_formed(t: object, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> bool:

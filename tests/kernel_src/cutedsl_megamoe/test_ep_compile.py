@@ -72,3 +72,29 @@ def test_ep_autotune_candidates_are_valid_distinct_and_start_with_the_defaults()
     assert {k.tile_m for k in cands} == {64, 128}
     odd = drop.Geometry(320, 192, 16, 4, "swiglu", None)  # N tiles must divide 384 and 320
     assert all(384 % k.fc1_tile_n == 0 and 320 % k.fc2_tile_n == 0 for k in drop.ep_candidates(odd, 2, 2))
+
+
+def test_ep_rank_state_passes_its_buffers_in_the_exported_argument_order() -> None:
+    """``EpRankState.state_args`` (built once, reused by every launch) is the state part of
+    ``ep_workspace.EP_ARGS``: symmetric buffers, peer tables, local workspace, abort word, rank."""
+    import torch
+
+    from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import comm
+    from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import kernel_helpers as kh
+
+    g = drop.Geometry(256, 128, 16, 4, "swiglu", None)
+    fe = drop.Bf16EpFrontend(g, drop.default_bf16_ep_knobs(g, 2, 2))
+    group = kh.LoopbackGroup(2, torch.device("cpu"))
+    states = [drop.EpRankState(fe, comm.make_provider("loopback", 2, r, torch.device("cpu"), group), r, 32,
+                               torch.device("cpu")) for r in range(2)]  # fmt: skip
+    ws = kh.ep_workspace
+    names = list(ws.EP_ARGS[ws.EP_ARGS.index("flags") : ws.EP_ARGS.index("timeout_ns")])
+    for r, st in enumerate(states):
+        args = st.state_args()
+        assert st.state_args() is args and len(args) == len(names)
+        by_name = dict(zip(names, args, strict=True))
+        assert by_name["rank"] == r and by_name["abort"] is st.abort and by_name["ep_state"] is st.ep_state
+        for sym in ws.EP_SYM_BUFFERS:
+            assert by_name[sym] is st.host.buffers[sym]
+        for table, buf in ws.EP_TABLES:  # every rank's address of that buffer, own rank's at index r
+            assert by_name[table].tolist() == [s.host.buffers[buf].data_ptr() for s in states]

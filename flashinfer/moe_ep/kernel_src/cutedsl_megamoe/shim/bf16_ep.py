@@ -177,12 +177,17 @@ class EpRankState:
         self.captured = False  # a launch was captured: replays update abort_host without an event
         # live_tokens when the caller gives none: row t holds t (a view, so no launch per forward)
         self.counts = torch.arange(max(1, max_tokens) + 1, dtype=torch.int32, device=device)
-        self._tables: list[torch.Tensor] | None = None
+        self._state_args: tuple[Any, ...] | None = None
 
-    def tables(self) -> list[torch.Tensor]:
-        if self._tables is None:  # resolvable once every rank has allocated
-            self._tables = [self.host.peer_table(buf) for _, buf in kh.ep_workspace.EP_TABLES]
-        return self._tables
+    def state_args(self) -> tuple[Any, ...]:
+        """The state part of the kernel call, in ``ep_workspace.EP_ARGS`` order (symmetric buffers,
+        peer tables, local workspace, abort word, rank): the same for every forward, built once (the
+        tables resolve once every rank has allocated, i.e. at the first launch)."""
+        if self._state_args is None:
+            sym = [self.host.buffers[s.name] for s in self.sym_specs]
+            tables = [self.host.peer_table(buf) for _, buf in kh.ep_workspace.EP_TABLES]
+            self._state_args = (*sym, *tables, *self.local, self.abort, self.rank)
+        return self._state_args
 
     def launch(
         self,
@@ -201,9 +206,7 @@ class EpRankState:
         back asynchronously. ``live_tokens``: int32 [1] device tensor, default ``x.shape[0]``."""
         if live_tokens is None:
             live_tokens = self.counts[x.shape[0] : x.shape[0] + 1]
-        sym = [self.host.buffers[s.name] for s in self.sym_specs]
-        fn(x, topk_ids, topk_weights, w13, w2, out, live_tokens, *sym, *self.tables(), *self.local, self.abort,
-           self.rank, timeout_ns)  # fmt: skip
+        fn(x, topk_ids, topk_weights, w13, w2, out, live_tokens, *self.state_args(), timeout_ns)
         self.abort_host.copy_(self.abort, non_blocking=True)
         if torch.cuda.is_current_stream_capturing():
             self.captured, self.abort_event = True, None
@@ -250,6 +253,7 @@ class EpRankState:
     def release(self) -> None:
         self.host.release()
         self.local = []
+        self._state_args = None
 
 
 __all__ = [

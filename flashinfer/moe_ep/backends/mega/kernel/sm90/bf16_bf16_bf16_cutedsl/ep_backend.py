@@ -69,15 +69,18 @@ class Sm90Bf16EpBackend(Sm90Bf16CutedslBackend):
         self.buckets = ep_tuning.ep_buckets(b.world_size, self.fleet.max_tokens_per_rank)
         tiles: dict[str, dict[str, int]] = {}
         self.knob_sources: dict[str, str] = {}
-        for bucket in reversed(self.buckets):  # largest first: its FC1 tile is the weight layout
+        layout: int | None = None  # the largest bucket's FC1 tile: the weight layout of every bucket
+        for bucket in reversed(self.buckets):
             if isinstance(c.knobs, dict):
                 tiles[bucket.name], self.knob_sources[bucket.name] = dict(c.knobs), "config"
                 continue
             cached = ep_tuning.cached_ep_knobs(geometry, self.context, bucket.name)
-            if cached is not None and tiles and cached["fc1_tile_n"] != next(iter(tiles.values())).get("fc1_tile_n"):
+            if cached is not None and layout is not None and cached["fc1_tile_n"] != layout:
                 cached = None  # another weight layout than the largest bucket's: not usable here
             tiles[bucket.name] = cached or {}
             self.knob_sources[bucket.name] = "knob cache" if cached else "defaults"
+            if layout is None:
+                layout = drop.default_bf16_ep_knobs(geometry, b.world_size, self.ranks_per_gpu, cached).fc1_tile_n
         try:
             self._set_profiles(geometry, tiles)
         except (TypeError, ValueError) as exc:
@@ -94,7 +97,6 @@ class Sm90Bf16EpBackend(Sm90Bf16CutedslBackend):
         self._natural: tuple[torch.Tensor, torch.Tensor] | None = None  # kept for knobs="auto"
         self.auto_pending = auto
         self.tune_results: dict[str, Any] = {}
-        self.tune_stream: torch.cuda.Stream | None = None
         if auto and self.mode == "loopback":
             _LOOPBACK_AUTO.setdefault(id(b.loopback_group), {})[b.rank] = self
 
@@ -152,9 +154,7 @@ class Sm90Bf16EpBackend(Sm90Bf16CutedslBackend):
         return self._natural
 
     def make_provider(self) -> Any:
-        return self._provider()
-
-    def _provider(self) -> Any:
+        """This rank's symmetric-buffer provider (loopback group, or NVSHMEM after the bootstrap)."""
         from flashinfer.moe_ep.core.runtime.bootstrap import current_runtime
         from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import comm
 
@@ -187,8 +187,9 @@ class Sm90Bf16EpBackend(Sm90Bf16CutedslBackend):
         def make() -> Any:
             others = tuple(fe for fe in self.distinct_frontends() if fe is not self.frontend)
             with torch.cuda.device(self.device):
-                return EpRankState(self.frontend, self._provider(), rank, self.fleet.max_tokens_per_rank, self.device,
-                                   others)  # fmt: skip
+                return EpRankState(
+                    self.frontend, self.make_provider(), rank, self.fleet.max_tokens_per_rank, self.device, others
+                )
 
         try:
             self.state = comm.WORKSPACES.acquire(key, make)
@@ -216,8 +217,6 @@ class Sm90Bf16EpBackend(Sm90Bf16CutedslBackend):
                     f"ranks' layers before the first warmup() (found ranks {sorted(peers)})"
                 )
             group = [peers[r] for r in range(b.world_size)]
-            for be in group:
-                be.tune_stream = torch.cuda.Stream(be.device)
             results = ep_tuning.autotune_ep(group)
             for be in group:  # in rank order: the loopback provider pairs the ranks' allocations
                 be._apply_tuned(results)
@@ -243,7 +242,7 @@ class Sm90Bf16EpBackend(Sm90Bf16CutedslBackend):
         self.allocate_workspace()
         self.tune_results = {n: r for n, (r, _) in results.items()}
         self.knob_sources = dict.fromkeys(results, "autotune")
-        self.auto_pending, self._natural, self.tune_stream = False, None, None
+        self.auto_pending, self._natural = False, None
 
     def _raise_if_aborted(self, wait: bool) -> None:
         hit = self.state.poll_abort(wait)

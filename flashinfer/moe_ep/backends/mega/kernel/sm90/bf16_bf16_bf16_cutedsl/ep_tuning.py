@@ -101,13 +101,12 @@ class _Candidate:
     """One rank's resources for one candidate: kernel, weights in its layout, a fresh EP rank state,
     random inputs of ``tokens`` rows."""
 
-    def __init__(self, backend: Any, knobs: Any, tokens: int) -> None:
+    def __init__(self, backend: Any, knobs: Any, tokens: int, weights: tuple[torch.Tensor, torch.Tensor]) -> None:
         drop = _drop()
         self.frontend = drop.Bf16EpFrontend(backend.frontend.geometry, knobs)
         self.frontend.check()
         self.fn = self.frontend.load()  # the kernel cache (or a compile where CuTe DSL is installed)
-        w13, w2 = backend.natural_weights()
-        self.w13, self.w2 = self.frontend.prepare_weights(w13, w2)
+        self.w13, self.w2 = weights  # in this candidate's layout (``autotune_ep`` prepares each layout once)
         with torch.cuda.device(backend.device):
             self.state = drop.EpRankState(self.frontend, backend.make_provider(), backend.bootstrap.rank,
                                           backend.fleet.max_tokens_per_rank, backend.device)  # fmt: skip
@@ -161,12 +160,23 @@ def autotune_ep(
 ) -> dict[str, Any]:
     """Tune every bucket of the EP layers in ``backends``: one backend per process (NVSHMEM, ``group`` =
     the EP group, every rank calls this) or every rank of one loopback group (one call). Returns bucket
-    -> ``AutotuneResult`` (the same winners everywhere); the caller applies them."""
+    -> (``AutotuneResult``, T per rank it was tuned at): the same winners everywhere; the caller
+    applies them."""
     drop = _drop()
     first = backends[0]
     b = first.bootstrap
     loopback = first.mode == "loopback"
     current: list[list[_Candidate]] = [[]]
+    prepared: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # FC1 layout -> every rank's weights
+    streams = [torch.cuda.Stream(be.device) for be in backends] if loopback else []
+
+    def weights_for(knobs: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every rank's weights in the layout of ``knobs``, prepared once per layout (one kept)."""
+        if knobs.fc1_tile_n not in prepared:
+            prepared.clear()  # free the previous layout first
+            fe = drop.Bf16EpFrontend(first.frontend.geometry, knobs)
+            prepared[knobs.fc1_tile_n] = [fe.prepare_weights(*be.natural_weights()) for be in backends]
+        return prepared[knobs.fc1_tile_n]
 
     def release() -> None:
         for c in current[0]:  # in rank order: the loopback provider pairs the ranks' allocations
@@ -184,11 +194,11 @@ def autotune_ep(
 
         def run_candidate(knobs: Any, tokens: int = tokens) -> Callable[[], None]:
             release()  # the previous candidate's symmetric state first, in lockstep
-            current[0] = [_Candidate(be, knobs, tokens) for be in backends]
+            weights = weights_for(knobs)
+            current[0] = [_Candidate(be, knobs, tokens, w) for be, w in zip(backends, weights, strict=True)]
             torch.cuda.synchronize()  # flags zeroed before any rank signals (autotune's barrier follows)
             if not loopback:
                 return current[0][0].launch
-            streams = [be.tune_stream for be in backends]
 
             def launch_all() -> None:
                 main = torch.cuda.current_stream()
@@ -236,6 +246,7 @@ def autotune_ep(
         results[bucket.name] = (result, tokens)
         if pinned_fc1 is None:
             pinned_fc1 = result.winner.fc1_tile_n
+    prepared.clear()
     return results
 
 
