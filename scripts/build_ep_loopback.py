@@ -23,12 +23,15 @@ NUM_SMS = 132  # H200
 MAX_TOKENS = 512  # per-rank capacity the GPU test sizes its buffers for
 SMALL = dict(hidden=256, inter=128, num_experts=16, activation="swiglu", tile_m=64, fc1_tile_n=128, fc2_tile_n=128)
 
-#: name -> world size, top_k (every variant: loopback, ranks_per_gpu = world size)
+#: name -> world size, top_k, cluster_m, dispatch (every variant: loopback, ranks_per_gpu = world size)
 VARIANTS = {
-    "ep_r2_k4": (2, 4),
-    "ep_r4_k4": (4, 4),
-    "ep_r8_k4": (8, 4),
-    "ep_r2_k1": (2, 1),
+    "ep_r2_k4": (2, 4, 1, "pull"),
+    "ep_r4_k4": (4, 4, 1, "pull"),
+    "ep_r8_k4": (8, 4, 1, "pull"),
+    "ep_r2_k1": (2, 1, 1, "pull"),
+    "ep_r2_k4_c2": (2, 4, 2, "pull"),  # GEMM clusters of two CTAs (66 CTAs per rank)
+    "ep_r2_k4_push": (2, 4, 1, "push"),  # the sources write their rows into the owners' a_buf
+    "ep_r4_k4_push": (4, 4, 1, "push"),
 }
 
 
@@ -37,14 +40,14 @@ def kcache_dir() -> Path:
     return d if d.is_absolute() else REPO / d
 
 
-def variant_record(name: str, world: int, top_k: int) -> dict:
+def variant_record(name: str, world: int, top_k: int, cluster_m: int, dispatch: str) -> dict:
     from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import kernel_helpers as kh
 
     ws = kh.ep_workspace
     c = SMALL
-    sym = ws.ep_symmetric_specs(MAX_TOKENS, c["hidden"], c["num_experts"], top_k, c["tile_m"], world)
+    sym = ws.ep_symmetric_specs(MAX_TOKENS, c["hidden"], c["num_experts"], top_k, c["tile_m"], world, cluster_m)
     local = ws.ep_local_specs(MAX_TOKENS, c["hidden"], c["inter"], c["num_experts"], top_k, c["tile_m"], world,
-                              NUM_SMS, world)  # fmt: skip
+                              NUM_SMS, world, cluster_m)  # fmt: skip
     return dict(
         name=name,
         lib=f"lib{name}.so",
@@ -52,6 +55,8 @@ def variant_record(name: str, world: int, top_k: int) -> dict:
         world_size=world,
         ranks_per_gpu=world,
         top_k=top_k,
+        cluster_m=cluster_m,
+        dispatch=dispatch,
         num_sms=NUM_SMS,
         max_tokens=MAX_TOKENS,
         **c,
@@ -70,8 +75,8 @@ def build(names: list[str], out: Path) -> dict:
     # --only rebuilds some variants: keep the others' records
     manifest = json.loads(path.read_text()) if path.exists() else {}
     for name in names:
-        world, top_k = VARIANTS[name]
-        rec = variant_record(name, world, top_k)
+        world, top_k, cluster_m, dispatch = VARIANTS[name]
+        rec = variant_record(name, world, top_k, cluster_m, dispatch)
         kernel = kh.Sm90MegaMoEBf16EpKernel(
             activation=rec["activation"],
             tile_m=rec["tile_m"],
@@ -80,6 +85,8 @@ def build(names: list[str], out: Path) -> dict:
             num_sms=NUM_SMS,
             world_size=world,
             ranks_per_gpu=world,
+            cluster_m=cluster_m,
+            dispatch=dispatch,
         )
         t0 = time.time()
         lib = kh.export_moe_bf16_ep(

@@ -19,6 +19,7 @@ over gloo with the reference backend: a smoke test of this harness, not a measur
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -28,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 BENCH_CONTRACTS = ("deepseek-v3", "qwen3-235b-a22b")
+MAX_TOKENS = 8192  # the largest tokens per rank the prebuilt kernels serve (every token bucket up to it)
 
 
 def main() -> int:
@@ -36,7 +38,14 @@ def main() -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=[8, 128, 2048, 8192], help="tokens per rank")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--sets", type=int, default=3, help="rotating input sets")
+    p.add_argument("--knobs", nargs="+", default=["default"], metavar="SPEC",
+                   help="one mega layer per spec: 'default' (the knob cache, else the EP defaults), 'auto' "
+                        "(autotuned at warmup, recorded in --knob-cache) or knobs like "
+                        "tile_m=128,fc1_tile_n=256,fc2_tile_n=128,cluster_m=2")  # fmt: skip
+    p.add_argument("--profile", type=int, nargs="*", default=[], help="tokens per rank to list kernel times at")
+    p.add_argument("--knob-cache", default=None, help="the knob cache file that 'auto' writes (default: off)")
     a = p.parse_args()
+    os.environ["FLASHINFER_MOE_EP_KNOB_CACHE"] = a.knob_cache or "off"
 
     import torch
     import torch.distributed as dist
@@ -70,8 +79,31 @@ def main() -> int:
         dist.all_reduce(per_launch, op=dist.ReduceOp.MAX, group=group)
         return statistics.median(per_launch.tolist())
 
+    def knobs_of(spec: str) -> dict[str, int] | str | None:
+        if spec == "default":  # per token bucket: the knob cache (--knob-cache), else drop.EP_BUCKET_DEFAULTS
+            return None
+        if spec == "auto":
+            return spec
+        return {k: int(v) if v.isdigit() else v for k, v in (kv.split("=") for kv in spec.split(","))}
+
+    def kernel_table(label: str, fn, sets: int, launches: int = 6) -> None:
+        """Rank 0's GPU time per kernel of ``launches`` barrier-aligned launches (torch profiler)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for i in range(launches):
+                dist.barrier(group=group)
+                torch.cuda.synchronize()
+                fn(i % sets)
+            torch.cuda.synchronize()
+        if rank == 0:
+            print(f"  kernels of {label}, per launch (rank 0):", flush=True)
+            events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+            for e in events[:14]:
+                print(f"    {e.device_time_total / launches / 1e3:8.3f} ms  x{e.count / launches:4.1f}  {e.key[:90]}")
+
     rows = []
-    for name in a.contract:
+    for name, spec in ((n, s) for n in a.contract for s in a.knobs):
         c = get_contract(name)
         if c.num_experts % world:
             raise SystemExit(f"{name}: {c.num_experts} experts do not split over {world} ranks")
@@ -83,6 +115,7 @@ def main() -> int:
             config = moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
                 c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit
             )
+            config = dataclasses.replace(config, knobs=knobs_of(spec))
         else:
             config = moe.ReferenceMegaMoeConfig(
                 c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit
@@ -94,7 +127,21 @@ def main() -> int:
             backend=moe.MegaConfig(config),
             check_values=False,
         )
-        layer.warmup()
+        if gpu and rank == 0:
+            free, total = torch.cuda.mem_get_info(dev)
+            print(f"{name} [{spec}]: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free before warmup", flush=True)
+        layer.warmup()  # knobs "auto": the collective autotune
+        if gpu and rank == 0:
+            from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
+
+            tiles = {b: drop.ep_tile_knobs(fe.knobs) for b, fe in layer._backend.by_bucket.items()}
+            print(f"{name} knobs {spec}: {tiles}", flush=True)
+            for bucket, result in layer._backend.tune_results.items():  # knobs "auto": every candidate's time
+                ranked = sorted(result.table, key=lambda r: r.ms)
+                tiles_ms = (
+                    "/".join(map(str, drop.ep_tile_knobs(r.candidate).values())) + f" {r.ms:.3f}" for r in ranked
+                )
+                print(f"  autotune {name} {bucket} (m/fc1/fc2 ms): " + ", ".join(tiles_ms), flush=True)
         w13_t, w2_t = w13.transpose(1, 2), w2.transpose(1, 2)
         for t in a.tokens:
             gen = torch.Generator().manual_seed(1000 * t + rank)
@@ -115,26 +162,33 @@ def main() -> int:
 
             mega_ms = slowest_rank_ms(mega, a.iters, a.sets)
             split_ms = slowest_rank_ms(split, a.iters, a.sets)
+            if gpu and t in a.profile:
+                kernel_table(f"{name} [{spec}] T/rank={t}", mega, a.sets)
             mega(0)
             layer.check_transport()
             err = torch.tensor([relative_errors(outs[0], split(0))[0] if t else 0.0], dtype=torch.float64, device=dev)
             dist.all_reduce(err, op=dist.ReduceOp.MAX, group=group)
             tflops = c.flops(t * world) / (mega_ms * 1e-3) / 1e12
-            rows.append((name, t, mega_ms, split_ms, split_ms / mega_ms, tflops, float(err)))
+            rows.append((name, spec, t, mega_ms, split_ms, split_ms / mega_ms, tflops, float(err)))
             if rank == 0:
-                print(f"  {name} T/rank={t}: mega {mega_ms:.3f} ms, split {split_ms:.3f} ms, "
+                print(f"  {name} [{spec}] T/rank={t}: mega {mega_ms:.3f} ms, split {split_ms:.3f} ms, "
                       f"x{split_ms / mega_ms:.2f}, {tflops:.0f} TFLOP/s, max-rank mean rel err {float(err):.1e}",
                       flush=True)  # fmt: skip
         layer.destroy()
-        del w13, w2, w13_t, w2_t
+        del layer, w13, w2, w13_t, w2_t
+        mega = split = None  # their default arguments held the layer and its weights
         if gpu:
             torch.cuda.empty_cache()
     if rank == 0:
         kind = torch.cuda.get_device_name() if gpu else "CPU (gloo, reference backend: a harness smoke test)"
         print(f"\nEP bench, world {world}, {kind}; backend {type(config).__name__}")
-        print(f"{'contract':<16} {'T/rank':>7} {'mega ms':>9} {'split ms':>9} {'x split':>8} {'TFLOP/s':>8} {'err':>8}")
-        for name, t, m, s, r, tf, err in rows:
-            print(f"{name:<16} {t:>7} {m:>9.3f} {s:>9.3f} {r:>8.2f} {tf:>8.0f} {err:>8.1e}")
+        short = {"tile_m=": "m", ",fc1_tile_n=": "/", ",fc2_tile_n=": "/", ",cluster_m=": "c", ",dispatch=": " "}
+        head = ("contract", "knobs", "T/rank", "mega ms", "split ms", "x split", "TFLOP/s", "err")
+        print(f"{head[0]:<16} {head[1]:<18} " + " ".join(f"{h:>9}" for h in head[2:]))
+        for name, spec, t, m, s, r, tf, err in rows:
+            for long, abbrev in short.items():
+                spec = spec.replace(long, abbrev)
+            print(f"{name:<16} {spec:<18} {t:>9} {m:>9.3f} {s:>9.3f} {r:>9.2f} {tf:>9.0f} {err:>9.1e}")
     finalize_moe_ep_runtime()
     return 0
 

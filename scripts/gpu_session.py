@@ -6,12 +6,15 @@ Here (any machine, no GPU needed):   python scripts/gpu_session.py build [--cach
 There (the H200, through the device tool, carrying .gpu and .kcache):
     source .gpu/env.sh && python scripts/gpu_session.py run [--bench-tokens ...] 2>&1 | tee $OUT/log
     runs the GPU tests, then the benchmark, and prints the benchmark table last.
+On a machine of N GPUs:   source .gpu/env.sh && python scripts/gpu_session.py multigpu --world N
+    runs the torchrun multirank tests and scripts/ep_bench.py (the EP kernels: build --only ep).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -21,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 BENCH_CONTRACTS = ["qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3"]
 BENCH_MAX_TOKENS = 16384  # the bench layer's capacity (its largest T)
+EP_TUNE_WORLDS = (2,)  # world sizes whose every EP candidate of the bench contracts is prebuilt
 TUNE_TOKENS = [256, 1024, 4096]  # one T per token bucket for `tune --max-tokens` (the buckets' tune sizes)
 os.environ.setdefault("FLASHINFER_MOE_EP_KNOB_CACHE", "off")  # defaults only, the same here and there
 
@@ -45,11 +49,21 @@ def build_quant(cache: Path) -> None:
                   f"({time.perf_counter() - t0:.1f} s)", flush=True)  # fmt: skip
 
 
-def build(cache: Path, tune_contracts: bool = False, only: str | None = None) -> int:
+def build(cache: Path, tune_contracts: bool = False, only: str | None = None, ep_worlds=(2, 4, 8)) -> int:
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    build_quant(cache)
-    if only == "quant":
-        return 0
+    if only in (None, "quant"):
+        build_quant(cache)
+    if only in (None, "bf16"):
+        build_bf16(cache, tune_contracts)
+    if only in (None, "ep"):
+        build_ep(cache, tuple(ep_worlds))
+    size = sum(p.stat().st_size for p in cache.rglob("*") if p.is_file())
+    print(f"kernel cache {cache}: {size / 2**20:.1f} MiB")
+    return 0
+
+
+def build_bf16(cache: Path, tune_contracts: bool) -> None:
+    """The world-1 BF16 kernels: GPU tests, bench contracts (every token bucket), autotune candidates."""
     import flashinfer.moe_ep as moe
     from flashinfer.moe_ep.backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl import tuning
     from flashinfer.moe_ep.core.contracts import get_contract
@@ -92,15 +106,29 @@ def build(cache: Path, tune_contracts: bool = False, only: str | None = None) ->
             )
             prebuild_candidates(cfg, TUNE_TOKENS, name)
 
+
+def build_ep(cache: Path, worlds: tuple[int, ...]) -> None:
+    """The expert-parallel kernels: the loopback layer test, and at each of ``worlds`` (one GPU per
+    rank) the torchrun tests and scripts/ep_bench.py."""
+    import flashinfer.moe_ep as moe
+    from flashinfer.moe_ep.backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl import ep_tuning, tuning
+    from flashinfer.moe_ep.core.contracts import get_contract
+    from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
+
+    def build_layer(geometry, world: int, ranks_per_gpu: int, knobs: dict | None, max_tokens: int) -> list[str]:
+        """The kernel of every token bucket of an EP layer of this capacity (knob cache off)."""
+        buckets = ep_tuning.ep_buckets(world, max_tokens)
+        per_bucket = [drop.default_bf16_ep_knobs(geometry, world, ranks_per_gpu, knobs, b.name) for b in buckets]
+        return [drop.Bf16EpFrontend(geometry, k).build(cache).name for k in dict.fromkeys(per_bucket)]
+
     # the EP layer test (loopback ranks; the EP kernel takes the global expert count)
-    from tests.backends.mega.kernel.sm90.test_bf16_ep_layer_gpu import EP_CASES, EP_GEOMETRY
+    from tests.backends.mega.kernel.sm90.test_bf16_ep_layer_gpu import EP_CASES, EP_GEOMETRY, EP_MAX_TOKENS
 
     ep_cfg = moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(**EP_GEOMETRY)
     ep_geometry = tuning.make_geometry(ep_cfg, ep_cfg.num_experts)
     for world, knobs in EP_CASES:
-        ep_knobs = drop.default_bf16_ep_knobs(ep_geometry, world, world, knobs)
-        lib = drop.Bf16EpFrontend(ep_geometry, ep_knobs).build(cache)
-        print(f"EP layer test, {world} loopback ranks, knobs {knobs}: {lib.name}", flush=True)
+        libs = build_layer(ep_geometry, world, world, knobs, EP_MAX_TOKENS)
+        print(f"EP layer test, {world} loopback ranks, knobs {knobs}: {', '.join(libs)}", flush=True)
     from tests.backends.mega.kernel.sm90.test_bf16_ep_layer_gpu import EP_AUTO_WORLD
 
     cands = drop.ep_candidates(ep_geometry, EP_AUTO_WORLD, EP_AUTO_WORLD)
@@ -108,19 +136,21 @@ def build(cache: Path, tune_contracts: bool = False, only: str | None = None) ->
         drop.Bf16EpFrontend(ep_geometry, knobs).build(cache)
     print(f"EP layer test knobs='auto', {EP_AUTO_WORLD} loopback ranks: {len(cands)} candidates", flush=True)
     # the torchrun multirank test of the SM90 EP layer (one GPU per rank: ranks_per_gpu 1), for issue #8
-    from tests.multirank.test_torchrun import SM90_EP_GEOMETRY, SM90_EP_WORLDS
+    from tests.multirank.test_torchrun import SM90_EP_GEOMETRY, SM90_EP_MAX_TOKENS
 
     g = SM90_EP_GEOMETRY
-    for world in SM90_EP_WORLDS:
+    for world in worlds:
         cfg = moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
             g["hidden_size"], g["intermediate_size"], g["experts_per_rank"] * world, g["top_k"]
         )
         geometry = tuning.make_geometry(cfg, cfg.num_experts)
         for knobs in drop.ep_candidates(geometry, world, 1):  # the defaults first; all: the knobs="auto" test
             lib = drop.Bf16EpFrontend(geometry, knobs).build(cache)
+        build_layer(geometry, world, 1, {"dispatch": "push"}, SM90_EP_MAX_TOKENS)
         print(f"multirank SM90 EP test, world {world}: {lib.name} and the other autotune candidates", flush=True)
     # scripts/ep_bench.py (issue #8): the bench contracts' EP kernels, one GPU per rank
     from scripts.ep_bench import BENCH_CONTRACTS as EP_BENCH_CONTRACTS
+    from scripts.ep_bench import MAX_TOKENS as EP_BENCH_MAX_TOKENS
 
     for name in EP_BENCH_CONTRACTS:
         c = get_contract(name)
@@ -128,12 +158,15 @@ def build(cache: Path, tune_contracts: bool = False, only: str | None = None) ->
             c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit
         )
         geometry = tuning.make_geometry(cfg, cfg.num_experts)
-        for world in SM90_EP_WORLDS:
-            lib = drop.Bf16EpFrontend(geometry, drop.default_bf16_ep_knobs(geometry, world, 1)).build(cache)
-            print(f"EP bench {name}, world {world}: {lib.name}", flush=True)
-    size = sum(p.stat().st_size for p in cache.rglob("*") if p.is_file())
-    print(f"kernel cache {cache}: {size / 2**20:.1f} MiB")
-    return 0
+        for world in worlds:
+            libs = build_layer(geometry, world, 1, None, EP_BENCH_MAX_TOKENS)
+            libs += build_layer(geometry, world, 1, {"dispatch": "push"}, EP_BENCH_MAX_TOKENS)
+            print(f"EP bench {name}, world {world} (pull, push): {', '.join(libs)}", flush=True)
+        for world in sorted(set(EP_TUNE_WORLDS) & set(worlds)):  # ep_bench.py --knobs auto / explicit tiles
+            cands = drop.ep_candidates(geometry, world, 1)
+            for knobs in cands:
+                drop.Bf16EpFrontend(geometry, knobs).build(cache)
+            print(f"EP bench {name}, world {world}: {len(cands)} autotune candidates", flush=True)
 
 
 #: GPU test files that must run in their own pytest process (they set CUDA environment before CUDA starts)
@@ -162,9 +195,57 @@ def run(cache: Path, bench_tokens: list[str], out: Path, skip_tests: bool, skip_
     return status or r.returncode
 
 
+def multigpu(
+    cache: Path,
+    world: int,
+    bench_tokens: list[str],
+    knobs: list[str],
+    skip_tests: bool,
+    layer_test: bool,
+    profile: list[str] = (),
+) -> int:
+    """On a machine of ``world`` GPUs: the torchrun multirank tests, then scripts/ep_bench.py; each step
+    under a deadline, so one hang cannot eat the call. ``layer_test``: also the loopback EP layer test."""
+    env = {**os.environ, "FLASHINFER_MOE_EP_KERNEL_CACHE": str(cache)}
+    env.setdefault("NVSHMEM_SYMMETRIC_SIZE", "10G")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+    steps = []
+    if not skip_tests:
+        steps.append(
+            ("multirank tests", [*torchrun, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/multirank"], 240)
+        )
+    if layer_test:  # the loopback EP tests (kernel and layer) on the first GPU
+        for path in OWN_PROCESS:
+            pytest = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", path]
+            steps.append((f"loopback {Path(path).stem}", pytest, 150))
+    if bench_tokens:
+        bench = [*torchrun, "scripts/ep_bench.py", "--tokens", *bench_tokens, "--knobs", *knobs, "--profile", *profile]
+        steps.append(("EP bench", bench, 300))
+    status = 0
+    for label, cmd, deadline in steps:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True)  # its own process group
+        try:
+            rc = proc.wait(timeout=deadline)
+        except subprocess.TimeoutExpired:
+            # SIGTERM first: torchrun passes it on to its workers (they run in sessions of their own, so
+            # killing torchrun's group alone leaves them holding the GPUs); then SIGKILL what is left
+            proc.terminate()
+            try:
+                proc.wait(timeout=45)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            subprocess.run(["pkill", "-9", "-f", "scripts/ep_bench.py|tests/multirank"], check=False)
+            rc = 124
+        print(f"{label} (world {world}): exit {rc} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        status = status or rc
+    return status
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["build", "run"])
+    p.add_argument("what", choices=["build", "run", "multigpu"])
     p.add_argument("--cache", type=Path, default=ROOT / ".kcache")
     p.add_argument("--bench-tokens", nargs="+", default=["1", "128", "4096", "16384"])
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "bench-out")))
@@ -173,10 +254,22 @@ def main() -> int:
     p.add_argument(
         "--tune-contracts", action="store_true", help="build: also every autotune candidate of the bench contracts"
     )
-    p.add_argument("--only", choices=["quant"], help="build: only the MXFP8 / NVFP4 kernels")
+    p.add_argument(
+        "--only",
+        choices=["quant", "bf16", "ep"],
+        help="build: only the MXFP8 / NVFP4, the world-1 BF16 or the expert-parallel kernels",
+    )
+    p.add_argument("--ep-worlds", type=int, nargs="+", default=[2, 4, 8], help="build: the EP world sizes")
+    p.add_argument("--world", type=int, default=2, help="multigpu: the number of GPUs (ranks)")
+    p.add_argument("--ep-tokens", nargs="*", default=["8", "128", "2048", "8192"], help="multigpu: tokens per rank")
+    p.add_argument("--ep-knobs", nargs="+", default=["default"], help="multigpu: ep_bench.py --knobs specs")
+    p.add_argument("--ep-profile", nargs="*", default=[], help="multigpu: tokens per rank to list kernel times at")
+    p.add_argument("--layer-test", action="store_true", help="multigpu: also the loopback EP tests")
     a = p.parse_args()
     if a.what == "build":
-        return build(a.cache, a.tune_contracts, a.only)
+        return build(a.cache, a.tune_contracts, a.only, a.ep_worlds)
+    if a.what == "multigpu":
+        return multigpu(a.cache, a.world, a.ep_tokens, a.ep_knobs, a.skip_tests, a.layer_test, a.ep_profile)
     return run(a.cache, a.bench_tokens, a.out, a.skip_tests, a.skip_bench)
 
 

@@ -40,5 +40,5 @@ def test_ep_bench_harness_runs_at_world_two_on_cpu() -> None:
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     rows = [line.split() for line in r.stdout.splitlines() if line.startswith("tiny ")]
-    assert [row[1] for row in rows] == ["0", "5"], r.stdout[-2000:]
+    assert [row[2] for row in rows] == ["0", "5"], r.stdout[-2000:]
     assert all(float(row[-1]) < 1e-2 for row in rows), r.stdout[-2000:]  # mega (reference) vs split baseline

@@ -154,10 +154,11 @@ def _sm90_ep_skip_reason(runtime) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("routing", ["uniform", "skewed"])
-def test_sm90_ep_layer_over_nvshmem_matches_the_all_gather_oracle(runtime, routing: str) -> None:
+@pytest.mark.parametrize("routing, dispatch", [("uniform", "pull"), ("skewed", "pull"), ("skewed", "push")])
+def test_sm90_ep_layer_over_nvshmem_matches_the_all_gather_oracle(runtime, routing: str, dispatch: str) -> None:
     """Uneven T with a zero-token rank; every rank's output against the single-process reference;
-    repeat runs bitwise equal, also with rank 0 launching late."""
+    repeat runs bitwise equal, also with rank 0 launching late. Both dispatches (owners pull the rows,
+    or sources push them)."""
     reason = _sm90_ep_skip_reason(runtime)
     if reason:
         pytest.skip(reason)
@@ -169,7 +170,7 @@ def test_sm90_ep_layer_over_nvshmem_matches_the_all_gather_oracle(runtime, routi
     w13, w2, x, ids, w = _global_case(2000 + len(routing), tokens, e, h, i, k, routing)
     dev = runtime.device
     mine = _mine(tokens)
-    cfg = moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(h, i, e, k)
+    cfg = moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(h, i, e, k, knobs={"dispatch": dispatch})
     layer = _rank_layer(runtime, cfg, w13, w2, SM90_EP_MAX_TOKENS, check_values=False)
     layer.warmup()
     inputs = moe.MoEEpTensors(x[mine].to(dev), ids[mine].to(dev), w[mine].to(dev))
@@ -194,8 +195,8 @@ def test_sm90_ep_layer_over_nvshmem_matches_the_all_gather_oracle(runtime, routi
     layer.destroy()
 
 
-@pytest.mark.parametrize("routing", ["uniform"])
-def test_sm90_ep_layer_graph_replays_with_other_live_token_counts(runtime, routing: str) -> None:
+@pytest.mark.parametrize("routing, dispatch", [("uniform", "pull"), ("uniform", "push")])
+def test_sm90_ep_layer_graph_replays_with_other_live_token_counts(runtime, routing: str, dispatch: str) -> None:
     """One CUDA graph per rank, captured with capacity-row buffers and a device-side live count
     (``MoEEpTensors.num_tokens``), replayed with other uneven counts (a zero-token rank included):
     the live rows match the oracle, the rows past the live count stay untouched, eager still works."""
@@ -207,7 +208,7 @@ def test_sm90_ep_layer_graph_replays_with_other_live_token_counts(runtime, routi
     e = g["experts_per_rank"] * WORLD
     dev = runtime.device
     w13, w2, _, _, _ = _global_case(3000, [1] * WORLD, e, h, i, k, routing)
-    cfg = moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(h, i, e, k)
+    cfg = moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(h, i, e, k, knobs={"dispatch": dispatch})
     layer = _rank_layer(runtime, cfg, w13, w2, cap, check_values=False)
     layer.warmup()
     x_buf = torch.zeros(cap, h, dtype=torch.bfloat16, device=dev)
@@ -277,11 +278,10 @@ def test_sm90_ep_layer_knobs_auto_over_nvshmem(runtime, tmp_path) -> None:
     layer = _rank_layer(runtime, cfg, w13, w2, SM90_EP_MAX_TOKENS, check_values=False)
     layer.warmup()  # collective: the autotune
     assert sorted(layer._backend.tune_results) == sorted(b.name for b in layer._backend.buckets)
-    tiles = [v for fe in layer._backend.by_bucket.values() for v in drop.ep_tile_knobs(fe.knobs).values()]
-    winner = torch.tensor(tiles, device=dev)
-    gathered = [torch.empty_like(winner) for _ in range(WORLD)]
-    dist.all_gather(gathered, winner, group=runtime.group)
-    assert all(torch.equal(gw, winner) for gw in gathered), "ranks applied different winners"
+    winner = {name: drop.ep_tile_knobs(fe.knobs) for name, fe in layer._backend.by_bucket.items()}
+    gathered = [None] * WORLD
+    dist.all_gather_object(gathered, winner, group=runtime.group)
+    assert all(gw == winner for gw in gathered), "ranks applied different winners"
     dist.barrier(group=runtime.group)
     out = layer.forward(moe.MoEEpTensors(x[mine].to(dev), ids[mine].to(dev), w[mine].to(dev)))
     layer.check_transport()

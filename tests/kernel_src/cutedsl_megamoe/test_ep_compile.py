@@ -46,11 +46,18 @@ def test_ep_r2_k1_compiles_and_exports(tmp_path: Path) -> None:
 
 def test_ep_knobs_take_tile_overrides_and_refuse_the_rest() -> None:
     g = drop.Geometry(256, 128, 16, 4, "swiglu", None)
-    default = drop.default_bf16_ep_knobs(g, 2, 2)
-    assert (default.tile_m, default.fc1_tile_n, default.fc2_tile_n) == (64, 128, 128)
-    knobs = drop.default_bf16_ep_knobs(g, 2, 2, {"tile_m": 128, "fc1_tile_n": 256})
-    assert (knobs.tile_m, knobs.fc1_tile_n, knobs.fc2_tile_n, knobs.world_size) == (128, 256, 128, 2)
+    decode = drop.default_bf16_ep_knobs(g, 2, 2, bucket="decode")
+    assert (decode.tile_m, decode.fc1_tile_n, decode.fc2_tile_n, decode.cluster_m) == (64, 256, 128, 1)
+    prefill = drop.default_bf16_ep_knobs(g, 2, 2)  # H = 256: the widest FC2 tile that divides
+    assert (prefill.tile_m, prefill.fc1_tile_n, prefill.fc2_tile_n, prefill.cluster_m) == (128, 256, 256, 2)
+    assert drop.default_bf16_ep_knobs(g, 4, 4).cluster_m == 1  # 132 // 4 = 33 CTAs: no pairs
+    knobs = drop.default_bf16_ep_knobs(g, 2, 2, {"tile_m": 64, "fc2_tile_n": 128}, bucket="mid")
+    assert (knobs.tile_m, knobs.fc1_tile_n, knobs.fc2_tile_n, knobs.world_size) == (64, 256, 128, 2)
     drop.Bf16EpFrontend(g, knobs).check()
+    with pytest.raises(ValueError, match="unknown token bucket"):
+        drop.default_bf16_ep_knobs(g, 2, 2, bucket="huge")
+    with pytest.raises(ValueError, match="cluster_m must be 1 or 2 and divide the grid"):
+        drop.Bf16EpFrontend(g, drop.default_bf16_ep_knobs(g, 4, 4, {"cluster_m": 2})).check()
     with pytest.raises(ValueError, match="unknown EP knob.*num_sms"):
         drop.default_bf16_ep_knobs(g, 2, 2, {"num_sms": 64})
     with pytest.raises(ValueError, match="tile_m must be"):
@@ -69,7 +76,8 @@ def test_ep_autotune_candidates_are_valid_distinct_and_start_with_the_defaults()
     for knobs in cands:
         drop.Bf16EpFrontend(g, knobs).check()
         assert (knobs.world_size, knobs.ranks_per_gpu) == (8, 1)
-    assert {k.tile_m for k in cands} == {64, 128}
+    assert {k.tile_m for k in cands} == {64, 128} and {k.cluster_m for k in cands} == {1, 2}
+    assert drop.ep_candidates(g, 8, 1, bucket="decode")[0] == drop.default_bf16_ep_knobs(g, 8, 1, bucket="decode")
     odd = drop.Geometry(320, 192, 16, 4, "swiglu", None)  # N tiles must divide 384 and 320
     assert all(384 % k.fc1_tile_n == 0 and 320 % k.fc2_tile_n == 0 for k in drop.ep_candidates(odd, 2, 2))
 

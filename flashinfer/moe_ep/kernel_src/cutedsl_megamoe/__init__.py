@@ -11,6 +11,7 @@ from .shim._paths import SRC_DIR
 from .shim.audit import audit_src
 from .shim.bf16 import Bf16Frontend, Bf16Knobs, default_bf16_knobs
 from .shim.bf16_ep import (
+    EP_BUCKET_DEFAULTS,
     EP_KNOB_FAMILY,
     EP_TILE_KNOBS,
     Bf16EpFrontend,
@@ -40,6 +41,7 @@ __all__ = [
     "Bf16EpFrontend",
     "Bf16EpKnobs",
     "EP_KNOB_FAMILY",
+    "EP_BUCKET_DEFAULTS",
     "EP_TILE_KNOBS",
     "Bf16Frontend",
     "Bf16Knobs",

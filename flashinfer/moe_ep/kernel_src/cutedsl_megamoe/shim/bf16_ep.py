@@ -4,6 +4,7 @@ arena, pointer tables, local workspace, abort word, epochs)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,9 @@ _TORCH = {"int32": torch.int32, "bfloat16": torch.bfloat16, "float32": torch.flo
 @dataclass(frozen=True)
 class Bf16EpKnobs:
     """Compile-time knobs of the EP kernel. ``ranks_per_gpu``: R for loopback (all ranks on one GPU),
-    1 otherwise; every grid is ``num_sms // ranks_per_gpu`` so all ranks' kernels fit at once."""
+    1 otherwise; the routing and GEMM grids are ``num_sms // ranks_per_gpu`` so all ranks' kernels fit
+    at once. ``cluster_m``: 2 pairs GEMM CTAs along M (adjacent M blocks share weight tiles; needs an
+    even grid). ``dispatch``: ``"pull"`` (owners read the rows) or ``"push"`` (sources write them)."""
 
     world_size: int
     ranks_per_gpu: int = 1
@@ -29,54 +32,90 @@ class Bf16EpKnobs:
     fc1_tile_n: int = 128
     fc2_tile_n: int = 128
     num_sms: int = 132
+    cluster_m: int = 1
+    dispatch: str = "pull"
+
+    @property
+    def grid(self) -> int:
+        return max(1, self.num_sms // self.ranks_per_gpu)
 
 
-#: the EP knobs a config may set (``world_size``, ``ranks_per_gpu`` come from the bootstrap, the grid
-#: from the device)
-EP_TILE_KNOBS = ("tile_m", "fc1_tile_n", "fc2_tile_n")
+#: the EP knobs a config may set and the knob cache records (``world_size``, ``ranks_per_gpu`` come
+#: from the bootstrap, the grid from the device)
+EP_TILE_KNOBS = ("tile_m", "fc1_tile_n", "fc2_tile_n", "cluster_m", "dispatch")
 #: the knob-cache family of the EP kernel (its buckets: ``tuner.TOKEN_BUCKETS`` over the global T)
 EP_KNOB_FAMILY = "moe_bf16_ep"
 #: autotune value sets (every valid combination is a candidate)
 EP_TILE_M_VALUES = (64, 128)
 EP_TILE_N_VALUES = (64, 128, 256)
+EP_CLUSTER_M_VALUES = (1, 2)
+EP_DISPATCH_VALUES = ("pull", "push")
+#: per token bucket of the global T: (tile_m, widest FC1 N tile, widest FC2 N tile, cluster_m, dispatch);
+#: autotune varies the tiles and cluster_m, the dispatch stays the bucket's. Measured on two H200s
+#: (TUNING.md, session 5): push dispatch moved deepseek-v3's rows 10 % faster than pull at 8192 tokens
+#: per rank (1.55 vs 1.72 ms, two runs) and the layer 1-2 % faster from 2048 tokens per rank on; below,
+#: no consistent difference, so pull (two signal/wait rounds fewer).
+EP_BUCKET_DEFAULTS = {
+    "decode": (64, 256, 128, 1, "pull"),
+    "mid": (128, 256, 256, 1, "pull"),
+    "prefill": (128, 256, 256, 2, "push"),
+}
 
 
 def default_bf16_ep_knobs(
-    geometry: Geometry, world_size: int, ranks_per_gpu: int, overrides: dict[str, int] | None = None
+    geometry: Geometry,
+    world_size: int,
+    ranks_per_gpu: int,
+    overrides: dict[str, int] | None = None,
+    bucket: str = "prefill",
 ) -> Bf16EpKnobs:
-    """64-row M tiles and N tiles up to 128 wide (the shapes the loopback tests ran; not tuned: EP
-    performance needs several GPUs), with ``overrides`` (a subset of ``EP_TILE_KNOBS``) applied.
-    Raises ValueError on another knob name; the values are checked by ``Bf16EpFrontend.check``."""
+    """The defaults of token ``bucket`` (``EP_BUCKET_DEFAULTS``: the world-size-1 defaults, which won
+    or came within a few percent of the EP autotune winners on two H200s, TUNING.md), N tiles narrowed
+    to what divides the problem and ``cluster_m`` to 1 on an odd grid, with ``overrides`` (a subset of
+    ``EP_TILE_KNOBS``) applied. Raises ValueError on another knob name or bucket; the values are
+    checked by ``Bf16EpFrontend.check``."""
     unknown = sorted(set(overrides or {}) - set(EP_TILE_KNOBS))
     if unknown:
         raise ValueError(f"unknown EP knob(s) {', '.join(unknown)}; known: {', '.join(EP_TILE_KNOBS)}")
+    if bucket not in EP_BUCKET_DEFAULTS:
+        raise ValueError(f"unknown token bucket {bucket!r}; known: {', '.join(EP_BUCKET_DEFAULTS)}")
+    tile_m, fc1_widest, fc2_widest, cluster_m, dispatch = EP_BUCKET_DEFAULTS[bucket]
     gated = geometry.activation in kh.constants.GATED_ACTIVATIONS
     fc1_n = 2 * geometry.intermediate if gated else geometry.intermediate
-    base = {"fc1_tile_n": widest_tile(fc1_n, 128), "fc2_tile_n": widest_tile(geometry.hidden, 128)}
+    grid = Bf16EpKnobs(world_size, ranks_per_gpu).grid
+    base = {
+        "tile_m": tile_m,
+        "fc1_tile_n": widest_tile(fc1_n, fc1_widest),
+        "fc2_tile_n": widest_tile(geometry.hidden, fc2_widest),
+        "cluster_m": cluster_m if grid % cluster_m == 0 else 1,
+        "dispatch": dispatch,
+    }
     return Bf16EpKnobs(world_size=world_size, ranks_per_gpu=ranks_per_gpu, **{**base, **(overrides or {})})
 
 
-def ep_candidates(geometry: Geometry, world_size: int, ranks_per_gpu: int) -> list[Bf16EpKnobs]:
-    """Every valid EP tile combination (``Bf16EpFrontend.check``), the defaults first (the incumbent)."""
-    default = default_bf16_ep_knobs(geometry, world_size, ranks_per_gpu)
-    out = [default]
+def ep_candidates(
+    geometry: Geometry, world_size: int, ranks_per_gpu: int, bucket: str = "prefill"
+) -> list[Bf16EpKnobs]:
+    """Every valid EP knob combination (``Bf16EpFrontend.check``), ``bucket``'s defaults first (the
+    incumbent)."""
+    out = [default_bf16_ep_knobs(geometry, world_size, ranks_per_gpu, bucket=bucket)]
     for tile_m in EP_TILE_M_VALUES:
         for fc1 in EP_TILE_N_VALUES:
             for fc2 in EP_TILE_N_VALUES:
-                knobs = default_bf16_ep_knobs(
-                    geometry, world_size, ranks_per_gpu, {"tile_m": tile_m, "fc1_tile_n": fc1, "fc2_tile_n": fc2}
-                )
-                if knobs in out:
-                    continue
-                try:
-                    Bf16EpFrontend(geometry, knobs).check()
-                except ValueError:
-                    continue
-                out.append(knobs)
+                for cluster_m in EP_CLUSTER_M_VALUES:
+                    tiles = {"tile_m": tile_m, "fc1_tile_n": fc1, "fc2_tile_n": fc2, "cluster_m": cluster_m}
+                    knobs = default_bf16_ep_knobs(geometry, world_size, ranks_per_gpu, tiles, bucket)
+                    if knobs in out:
+                        continue
+                    try:
+                        Bf16EpFrontend(geometry, knobs).check()
+                    except ValueError:
+                        continue
+                    out.append(knobs)
     return out
 
 
-def ep_tile_knobs(knobs: Bf16EpKnobs) -> dict[str, int]:
+def ep_tile_knobs(knobs: Bf16EpKnobs) -> dict[str, int | str]:
     """The tunable part of ``knobs`` (what the knob cache records)."""
     return {name: getattr(knobs, name) for name in EP_TILE_KNOBS}
 
@@ -95,6 +134,10 @@ class Bf16EpFrontend(Bf16Frontend):
         self.check_tiles()
         if k.num_sms // k.ranks_per_gpu < 1:
             raise ValueError(f"ranks_per_gpu={k.ranks_per_gpu} leaves no SM per rank")
+        if k.cluster_m not in (1, 2) or k.grid % k.cluster_m:
+            raise ValueError(f"cluster_m must be 1 or 2 and divide the grid ({k.grid} CTAs), got {k.cluster_m}")
+        if k.dispatch not in EP_DISPATCH_VALUES:
+            raise ValueError(f"dispatch must be one of {', '.join(EP_DISPATCH_VALUES)}, got {k.dispatch!r}")
 
     def _export(self, out_dir: Path, function_name: str) -> Path:
         g, k = self.geometry, self.knobs
@@ -107,12 +150,16 @@ class Bf16EpFrontend(Bf16Frontend):
             num_sms=k.num_sms,
             world_size=k.world_size,
             ranks_per_gpu=k.ranks_per_gpu,
+            cluster_m=k.cluster_m,
+            dispatch=k.dispatch,
         )
         return kh.export_moe_bf16_ep(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)
 
     def symmetric_specs(self, max_tokens: int) -> list[Any]:
         g, k = self.geometry, self.knobs
-        return kh.ep_workspace.ep_symmetric_specs(max_tokens, g.hidden, g.num_experts, g.top_k, k.tile_m, k.world_size)
+        return kh.ep_workspace.ep_symmetric_specs(
+            max_tokens, g.hidden, g.num_experts, g.top_k, k.tile_m, k.world_size, k.cluster_m
+        )
 
     def workspace_spec(self, max_tokens: int) -> list[Any]:
         g, k = self.geometry, self.knobs
@@ -120,7 +167,7 @@ class Bf16EpFrontend(Bf16Frontend):
             kh.BufferSpec(name, shape, dtype)
             for name, shape, dtype in kh.ep_workspace.ep_local_specs(
                 max_tokens, g.hidden, g.intermediate, g.num_experts, g.top_k, k.tile_m, k.world_size, k.num_sms,
-                k.ranks_per_gpu,
+                k.ranks_per_gpu, k.cluster_m,
             )
         ]  # fmt: skip
 
@@ -149,6 +196,8 @@ class EpRankState:
     before any rank's first forward (the flags must be zero before anyone signals). Nothing of a
     forward lives on the host, so ``launch`` may be captured in a CUDA graph and replayed. ``others``:
     more frontends (token buckets) whose kernels use this state too (buffers sized for all).
+    ``group``: the EP process group; over NVSHMEM every rank first checks for GPU memory room
+    (``comm.reserve_device_room``, collective).
     """
 
     def __init__(
@@ -159,17 +208,22 @@ class EpRankState:
         max_tokens: int,
         device: torch.device,
         others: tuple[Bf16EpFrontend, ...] = (),
+        group: Any = None,
     ):
         self.frontend, self.rank, self.device = frontend, rank, device
         fronts = [frontend, *others]
         self.sym_specs = merge_specs([f.symmetric_specs(max_tokens) for f in fronts])
+        specs = merge_specs([f.workspace_spec(max_tokens) for f in fronts])
+        if provider.kind == "nvshmem" and group is not None:  # raises MemoryError on every rank
+            local_bytes = sum(math.prod(s.shape) * _TORCH[s.dtype].itemsize for s in specs)
+            comm.reserve_device_room(self.sym_specs, device, group, local_bytes)
+        # the local workspace first: a rank that fails here has not entered the collective allocation
+        self.local = [torch.zeros(s.shape, dtype=_TORCH[s.dtype], device=device) for s in specs]
         try:
             self.host = kh.SymBufferHost(provider, self.sym_specs)
         except (RuntimeError, MemoryError) as exc:
             raise MemoryError(comm.heap_too_small_message(self.sym_specs, frontend.knobs.world_size, exc)) from exc
         self.host.buffers["flags"].zero_()
-        specs = merge_specs([f.workspace_spec(max_tokens) for f in fronts])
-        self.local = [torch.zeros(s.shape, dtype=_TORCH[s.dtype], device=device) for s in specs]
         self.ep_state = self.local[[s.name for s in specs].index("ep_state")]
         self.abort = torch.zeros(kh.ep_workspace.ABORT_LEN, dtype=torch.int32, device=device)
         self.abort_host = torch.zeros(kh.ep_workspace.ABORT_LEN, dtype=torch.int32, pin_memory=device.type == "cuda")

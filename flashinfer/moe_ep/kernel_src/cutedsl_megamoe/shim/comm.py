@@ -47,6 +47,35 @@ def heap_too_small_message(specs: list[Any], world_size: int, err: BaseException
     return "\n".join(lines)
 
 
+#: NVSHMEM grows its heap in chunks of physical memory (``NVSHMEM_CUMEM_GRANULARITY``, 512 MiB by default)
+HEAP_CHUNK = 512 << 20
+
+
+def reserve_device_room(specs: list[Any], device: torch.device, group: Any, local_bytes: int = 0) -> None:
+    """Before a collective NVSHMEM allocation of ``specs``: the heap maps physical GPU memory at
+    allocation time, outside torch's caching allocator, so release torch's cached blocks and check on
+    every rank of ``group`` (an all-reduce MIN) that the arena fits. A rank without room then raises
+    MemoryError on every rank, instead of one rank failing inside NVSHMEM (seen on two H200s:
+    ``cuMemCreate failed``, then an illegal memory access in NVSHMEM's barrier). ``local_bytes``: the
+    rank's other allocations that come with it (its local workspace)."""
+    import torch.distributed as dist
+
+    need = kh.arena_bytes(specs) + HEAP_CHUNK + local_bytes  # + the heap chunk the allocation may open
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(device)
+    flag_device = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    room = torch.tensor([free - need], dtype=torch.int64, device=flag_device)
+    dist.all_reduce(room, op=dist.ReduceOp.MIN, group=group)
+    short = -int(room.item())
+    if short > 0:
+        raise MemoryError(
+            f"a rank lacks {short / 2**20:.0f} MiB of free GPU memory for the symmetric workspace "
+            f"({kh.arena_bytes(specs) / 2**20:.1f} MiB per rank, one {HEAP_CHUNK >> 20} MiB heap chunk and "
+            f"{local_bytes / 2**20:.1f} MiB of local workspace): "
+            "free memory on every rank (fewer token buckets or max_tokens_per_rank, other allocations) first"
+        )
+
+
 class WorkspacePool:
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -30,7 +30,15 @@ pytestmark = pytest.mark.gpu
 
 EP_GEOMETRY = {"hidden_size": 256, "intermediate_size": 128, "num_experts": 16, "top_k": 4}
 #: (world size, explicit EP knobs or None) of every layer these tests build (prebuilt by gpu_session.py)
-EP_CASES = [(2, None), (4, None), (2, {"tile_m": 128, "fc1_tile_n": 256})]
+EP_CASES = [
+    (2, None),
+    (4, None),
+    (2, {"tile_m": 128, "fc1_tile_n": 256}),
+    (2, {"tile_m": 64, "cluster_m": 2}),  # GEMM clusters: odd block counts close with a phantom block
+    (2, {"tile_m": 128, "fc2_tile_n": 128, "cluster_m": 2}),
+    (2, {"dispatch": "push"}),  # the sources write their rows into the owners' a_buf
+    (4, {"dispatch": "push"}),
+]
 EP_MAX_TOKENS = 256
 
 
@@ -199,7 +207,7 @@ def test_knobs_auto_tunes_every_loopback_rank_together(tmp_path, monkeypatch) ->
 
 def test_ep_layer_refuses_unknown_knobs() -> None:
     group = moe.make_loopback_group(2, "cuda")
-    for knobs, match in (("fast", "takes knobs=None"), ({"cluster_m": 2}, "unknown EP knob")):
+    for knobs, match in (("fast", "takes knobs=None"), ({"num_sms": 64}, "unknown EP knob")):
         cfg = _config(knobs)
         w13, w2 = make_expert_weights(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, device="cuda")
         with pytest.raises(moe.MoEEpConfigError, match=match):

@@ -189,7 +189,7 @@ def _world(name: str) -> LoopbackWorld:
 
 
 #: loopback worlds of the protocol tests: R = 2, 4, 8 ranks on one GPU (16 experts: 2 per rank at R = 8)
-RANKS = ["ep_r2_k4", "ep_r4_k4", "ep_r8_k4"]
+RANKS = ["ep_r2_k4", "ep_r4_k4", "ep_r8_k4", "ep_r2_k4_c2", "ep_r2_k4_push", "ep_r4_k4_push"]
 
 
 def _uneven(r_count: int) -> list[int]:

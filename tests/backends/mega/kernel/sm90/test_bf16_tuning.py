@@ -79,7 +79,8 @@ def test_ep_knob_cache_round_trip_is_keyed_by_world_size_and_loopback(tmp_path) 
     real = ep_tuning.tune_context_named("NVIDIA H200", 2)
     loop = ep_tuning.tune_context_named("NVIDIA H200" + ep_tuning.LOOPBACK_SUFFIX, 2)
     ep_tuning.record_ep_knobs(g, real, "mid", winner, 1.5, 256, path)
-    assert ep_tuning.cached_ep_knobs(g, real, "mid", path) == {"tile_m": 128, "fc1_tile_n": 256, "fc2_tile_n": 128}
+    assert ep_tuning.cached_ep_knobs(g, real, "mid", path) == {"tile_m": 128, "fc1_tile_n": 256, "fc2_tile_n": 256,
+                                                                "cluster_m": 2, "dispatch": "push"}  # fmt: skip
     assert ep_tuning.cached_ep_knobs(g, real, "decode", path) is None
     assert ep_tuning.cached_ep_knobs(g, loop, "mid", path) is None
     assert ep_tuning.cached_ep_knobs(g, ep_tuning.tune_context_named("NVIDIA H200", 4), "mid", path) is None

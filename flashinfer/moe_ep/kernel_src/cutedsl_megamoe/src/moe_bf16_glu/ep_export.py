@@ -6,7 +6,7 @@ CPU-only machines: set ``CUTE_DSL_ARCH=sm_90a`` before cutlass is imported. Call
 
     fn(x[T,H] bf16, topk_ids[T,K] i32, topk_weights[T,K] f32, w13[E_loc,N1,H] bf16,
        w2[E_loc,H,I] bf16, out[T,H] bf16, live_tokens[1] i32,
-       flags[3,R] i32, x_sym[T_cap,H] bf16, send_list[T_cap*K,2] i32, expert_cnt[E] i32,
+       flags[5,R] i32, x_sym[T_cap,H] bf16, send_list[T_cap*K,2] i32, expert_cnt[E] i32,
        expert_start[E] i32, row_base[R,E_loc] i32, a_buf[M_cap,H] bf16,      # symmetric (own)
        flags_tab, x_tab, send_tab, cnt_tab, start_tab, row_base_tab, y_tab,    # int64 [R] each
        cta_cnt[G,E] i32, pair_pos[T_cap*K] i32, src_meta[R,4] i32,
@@ -32,6 +32,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from ..common import constants
 from .ep_kernel import Sm90MegaMoEBf16EpKernel
+from .ep_workspace import NUM_FLAG_KINDS
 from .export import _ldflags, check_problem
 
 
@@ -69,7 +70,7 @@ def ep_fake_arguments(
         mat(bf16, (e_loc, hidden, inter)),  # w2
         mat(bf16, (t, hidden)),  # out
         mat(i32, (1,), align=4),  # live_tokens: any int32 element (e.g. a view into a larger tensor)
-        mat(i32, (3, world)),  # flags
+        mat(i32, (NUM_FLAG_KINDS, world)),  # flags
         mat(bf16, (t_cap, hidden)),  # x_sym
         mat(i32, (p_cap, 2)),  # send_list
         mat(i32, (num_experts,)),  # expert_cnt

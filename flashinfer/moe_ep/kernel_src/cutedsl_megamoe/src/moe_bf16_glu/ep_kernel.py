@@ -22,10 +22,12 @@ Buffer-reuse guards (which wait protects which overwrite), for epoch e on rank r
 The reuse wait is skipped (target 0) on the first forward and on the first one after the host
 rewrote ``ep_state`` in a recovery (every rank was idle then).
 
-Loopback co-residency rule (``ranks_per_gpu = R`` logical ranks on one GPU): every grid of the
-chain has ``G = num_sms // ranks_per_gpu`` CTAs, so the R ranks' concurrent kernels fit on the
-GPU together. Every spin-wait is in a single-CTA kernel (kernels 5 and 9), so at most R CTAs ever
-spin and the kernels they wait for always find free SMs. The EP kernels never use PDL (a
+Loopback co-residency rule (``ranks_per_gpu = R`` logical ranks on one GPU): the routing and GEMM
+grids have ``G = num_sms // ranks_per_gpu`` CTAs, so the R ranks' concurrent kernels fit on the GPU
+together. Every spin-wait is in a single-CTA kernel (kernels 5 and 9), so at most R CTAs ever spin
+and the kernels they wait for always find free SMs. The gather and combine grids are
+``AUX_CTAS_PER_SM * G``: they never wait, so CTAs queued behind them only start later (more warps
+in flight hide the latency of their peer loads over NVLink). The EP kernels never use PDL (a
 PDL-launched grid would sit resident while its predecessor spins); ``use_pdl`` applies only to
 FC1 and FC2, which never wait on another rank.
 """
@@ -37,6 +39,9 @@ from ..common import constants
 from . import ep_kernels as K
 from .grouped_gemm import EPI_PLAIN, GroupedGemmSm90
 
+#: gather/combine CTAs per GEMM CTA (the copies over NVLink need many loads in flight)
+AUX_CTAS_PER_SM = 4
+
 
 class Sm90MegaMoEBf16EpKernel:
     """Compile-time knobs of the EP BF16 MoE kernel.
@@ -47,7 +52,16 @@ class Sm90MegaMoEBf16EpKernel:
     :param world_size: number of EP ranks R (experts split evenly: E_local = E / R).
     :param ranks_per_gpu: logical ranks sharing one GPU (1 for NVSHMEM, R for loopback); every
         grid has ``num_sms // ranks_per_gpu`` CTAs.
+    :param cluster_m: 1, or 2 for GEMM clusters of two CTAs along M that take M blocks 2g and 2g+1
+        and share each weight tile when both blocks belong to one expert (the owner scan closes an
+        odd block count with a phantom block; no pair table here). The grid must be even.
+    :param dispatch: ``"pull"`` (owners read the rows from the sources' ``x_sym``) or ``"push"``
+        (sources write them into the owners' ``a_buf`` once the owners published their row tables;
+        two more signal/wait rounds), see ``ep_kernels``.
     :param stage_mask: accepted for signature parity; only 0b11111 is supported here.
+
+    ``epi_direct`` defaults to False here as in the world-1 kernel (TMA-store epilogues, measured
+    faster on H200).
     """
 
     def __init__(
@@ -61,10 +75,12 @@ class Sm90MegaMoEBf16EpKernel:
         fc1_stages: int | None = None,
         fc2_stages: int | None = None,
         use_pdl: bool = True,
-        epi_direct: bool = True,
+        epi_direct: bool = False,
         stage_mask: int = 0b11111,
         world_size: int = 1,
         ranks_per_gpu: int = 1,
+        cluster_m: int = 1,
+        dispatch: str = "pull",
     ) -> None:
         if activation not in constants.ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}")
@@ -81,12 +97,19 @@ class Sm90MegaMoEBf16EpKernel:
         self.world_size = world_size
         self.ranks_per_gpu = ranks_per_gpu
         self.grid = num_sms // ranks_per_gpu
+        if cluster_m not in (1, 2) or self.grid % cluster_m:
+            raise ValueError(f"cluster_m must be 1 or 2 and divide the grid ({self.grid} CTAs), got {cluster_m}")
+        self.cluster_m = cluster_m
+        if dispatch not in ("pull", "push"):
+            raise ValueError(f"dispatch must be 'pull' or 'push', got {dispatch!r}")
+        self.push = dispatch == "push"
+        self.aux_grid = self.grid * AUX_CTAS_PER_SM
         self.aux_threads = 256
         self.aux_vpt = 1  # the EP gather/combine move one 16-byte vector per thread item (check_problem reads it)
         self.use_pdl = use_pdl
         self.stage_mask = stage_mask
-        self.fc1 = GroupedGemmSm90(tile_m, fc1_tile_n, activation, limit, self.grid, fc1_stages, epi_direct)
-        self.fc2 = GroupedGemmSm90(tile_m, fc2_tile_n, EPI_PLAIN, None, self.grid, fc2_stages, epi_direct)
+        self.fc1 = GroupedGemmSm90(tile_m, fc1_tile_n, activation, limit, self.grid, fc1_stages, epi_direct, cluster_m)
+        self.fc2 = GroupedGemmSm90(tile_m, fc2_tile_n, EPI_PLAIN, None, self.grid, fc2_stages, epi_direct, cluster_m)
 
     @staticmethod
     def _expert_major_view(w: cute.Tensor) -> cute.Tensor:
@@ -103,7 +126,7 @@ class Sm90MegaMoEBf16EpKernel:
         out: cute.Tensor,  # [T, H] bf16 (rows >= the live count are left untouched)
         live_tokens: cute.Tensor,  # [1] int32: rows of x/topk_*/out that are live (clamped to T)
         # symmetric buffers: this rank's views
-        flags: cute.Tensor,  # [3, R] int32 (zeroed once at allocation)
+        flags: cute.Tensor,  # [NUM_FLAG_KINDS, R] int32 (zeroed once at allocation)
         x_sym: cute.Tensor,  # [T_cap, H] bf16
         send_list: cute.Tensor,  # [T_cap*K, 2] int32
         expert_cnt: cute.Tensor,  # [E] int32
@@ -122,7 +145,7 @@ class Sm90MegaMoEBf16EpKernel:
         cta_cnt: cute.Tensor,  # [G, E] int32
         pair_pos: cute.Tensor,  # [T_cap*K] int32
         src_meta: cute.Tensor,  # [R, 4] int32
-        m_block_expert: cute.Tensor,  # [M_cap/tile_m] int32
+        m_block_expert: cute.Tensor,  # [M_cap/tile_m] int32 (M_cap a multiple of tile_m * cluster_m)
         meta: cute.Tensor,  # [4] int32
         h_buf: cute.Tensor,  # [M_cap, I] bf16
         ep_state: cute.Tensor,  # [4] int32: device-side epoch state (zeroed at allocation)
@@ -142,7 +165,7 @@ class Sm90MegaMoEBf16EpKernel:
         # 0: epoch += 1, abort word cleared
         K.ep_begin_kernel(ep_state, abort).launch(grid=one, block=[32, 1, 1], stream=stream)
         # 1-3: local routing, send list sorted by global expert (source role)
-        K.ep_route_count_kernel(x, topk_ids, live_tokens, x_sym, cta_cnt, abort, num_experts).launch(
+        K.ep_route_count_kernel(x, topk_ids, live_tokens, x_sym, cta_cnt, abort, num_experts, not self.push).launch(
             grid=[g, 1, 1], block=aux, stream=stream
         )
         K.ep_route_scan_kernel(cta_cnt, expert_cnt, expert_start, abort, num_experts, g).launch(
@@ -158,13 +181,31 @@ class Sm90MegaMoEBf16EpKernel:
         # 5: owner waits (ready of this epoch, finished of the previous one), plans rows
         K.ep_owner_scan_kernel(
             flags, cnt_tab, start_tab, row_base, m_block_expert, meta, src_meta,
-            rank, ep_state, timeout_ns, abort, world, local_experts, self.tile_m,
+            rank, ep_state, timeout_ns, abort, world, local_experts, self.tile_m, self.cluster_m,
         ).launch(grid=one, block=[constants.ROUTING_THREADS, 1, 1], stream=stream)  # fmt: skip
-        # 6: pull x rows from the sources
-        K.ep_gather_kernel(
-            x_sym, x_tab, send_tab, start_tab, row_base, src_meta, meta, a_buf, rank, abort,
-            world, local_experts, top_k,
-        ).launch(grid=[g, 1, 1], block=aux, stream=stream)  # fmt: skip
+        if cutlass.const_expr(self.push):
+            # 6a-e: every owner planned its rows -> push this rank's rows -> every source pushed
+            K.ep_signal_kernel(flags_tab, rank, ep_state, abort, K.FLAG_PLANNED, world).launch(
+                grid=one, block=sig, stream=stream
+            )
+            K.ep_wait_all_kernel(
+                flags, meta, ep_state, timeout_ns, abort, K.FLAG_PLANNED, K.STAGE_SOURCE_PLANNED, world, False
+            ).launch(grid=one, block=sig, stream=stream)
+            K.ep_push_kernel(
+                x, live_tokens, send_list, expert_start, row_base_tab, y_tab, rank, abort, local_experts, top_k
+            ).launch(grid=[self.aux_grid, 1, 1], block=aux, stream=stream)
+            K.ep_signal_kernel(flags_tab, rank, ep_state, abort, K.FLAG_PUSHED, world).launch(
+                grid=one, block=sig, stream=stream
+            )
+            K.ep_wait_all_kernel(
+                flags, meta, ep_state, timeout_ns, abort, K.FLAG_PUSHED, K.STAGE_OWNER_PUSHED, world, True
+            ).launch(grid=one, block=sig, stream=stream)
+        else:
+            # 6: pull x rows from the sources
+            K.ep_gather_kernel(
+                x_sym, x_tab, send_tab, start_tab, row_base, src_meta, meta, a_buf, rank, abort,
+                world, local_experts, top_k,
+            ).launch(grid=[self.aux_grid, 1, 1], block=aux, stream=stream)  # fmt: skip
         # 7-8: expert GEMMs, as the world-1 kernel (meta[0] = 0 after an abort: no tiles)
         pdl = self.use_pdl
         self.fc1.launch(a_buf, self._expert_major_view(w13), h_buf, m_block_expert, meta, stream, pdl)
@@ -187,7 +228,7 @@ class Sm90MegaMoEBf16EpKernel:
             world,
             local_experts,
             top_k,
-        ).launch(grid=[g, 1, 1], block=aux, stream=stream)
+        ).launch(grid=[self.aux_grid, 1, 1], block=aux, stream=stream)
         # 11: finished[rank] = epoch everywhere (this rank no longer reads any peer buffer)
         K.ep_signal_kernel(flags_tab, rank, ep_state, abort, K.FLAG_FINISHED, world).launch(
             grid=one, block=sig, stream=stream

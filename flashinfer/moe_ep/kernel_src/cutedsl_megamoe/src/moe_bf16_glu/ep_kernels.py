@@ -1,4 +1,4 @@
-"""Device kernels of the expert-parallel (EP) BF16 MoE: pull-based dispatch and combine (DRAFT).
+"""Device kernels of the expert-parallel (EP) BF16 MoE: dispatch (pull or push) and combine (DRAFT).
 
 One forward on rank ``r`` of ``R`` (global experts ``E = R * E_loc``, expert ``e`` lives on rank
 ``e // E_loc`` as local expert ``e % E_loc``) is this chain, all on one stream:
@@ -19,7 +19,21 @@ One forward on rank ``r`` of ``R`` (global experts ``E = R * E_loc``, expert ``e
  11   ep_signal              1       finished[r] = epoch into every rank
 ====  =====================  ======  =======================================================
 
-Flags: ``flags[3, R]`` int32 in every rank's symmetric arena; ``flags[KIND, s]`` is written only
+Push dispatch (``dispatch="push"``) replaces kernel 6 by five (the sources write their rows into the
+owners' ``a_buf``; NVLink writes need no round trip per load) and kernel 1 skips the x_sym copy:
+
+====  =====================  ======  =======================================================
+ 6a   ep_signal              1       planned[r] = epoch into every rank (row_base is final)
+ 6b   ep_wait_all            1       WAIT planned[*] >= epoch (every owner planned its rows)
+ 6c   ep_push                4G      x rows -> owner's a_buf[row_base_owner[r, le] + j]
+ 6d   ep_signal              1       pushed[r] = epoch into every rank
+ 6e   ep_wait_all            1       WAIT pushed[*] >= epoch; fence.proxy.async (TMA reads next)
+====  =====================  ======  =======================================================
+
+The pushes of epoch e land after the owner's stage-2 wait (``finished[*] >= e-1``: nobody reads its
+``a_buf`` of e-1 any more), because the owner signals ``planned`` only after that wait.
+
+Flags: ``flags[NUM_FLAG_KINDS, R]`` int32 in every rank's symmetric arena; ``flags[KIND, s]`` is written only
 by rank ``s`` (st.release.sys after a fence.acq_rel.sys) and read only by its owner rank
 (ld.acquire.sys). Epochs grow monotonically from 1 (int32), so a wait is ``flag >= target``.
 
@@ -52,13 +66,20 @@ import cutlass
 import cutlass.cute as cute
 
 from ..common import constants
-from .ep_workspace import ABORT_LEN, STATE_EPOCH, STATE_NEXT_PREV, STATE_PREV  # noqa: F401  (one definition)
+from .ep_workspace import (  # noqa: F401  (one definition)
+    ABORT_LEN,
+    NUM_FLAG_KINDS,
+    STATE_EPOCH,
+    STATE_NEXT_PREV,
+    STATE_PREV,
+)
 
 # flags[KIND, rank] rows
 FLAG_READY = 0
 FLAG_DONE = 1
 FLAG_FINISHED = 2
-NUM_FLAG_KINDS = 3
+FLAG_PLANNED = 3  # push dispatch: the owner's row_base of this epoch is final
+FLAG_PUSHED = 4  # push dispatch: the source wrote all its rows into the owner's a_buf
 
 # abort[] slots and stage ids written to abort[1]
 ABORT_FLAG = 0
@@ -68,6 +89,8 @@ ABORT_EPOCH = 3
 STAGE_OWNER_READY = 1  # owner waits ready[s] (source s has published its send list)
 STAGE_OWNER_REUSE = 2  # owner waits finished[s] of the previous epoch (buffer reuse)
 STAGE_SOURCE_DONE = 3  # source waits done[d] (owner d has its y rows and row table)
+STAGE_SOURCE_PLANNED = 4  # push: source waits planned[d] (owner d published its row table)
+STAGE_OWNER_PUSHED = 5  # push: owner waits pushed[s] (source s wrote its rows)
 
 # meta[] slots (local workspace of the owner)
 META_NUM_M_BLOCKS = 0
@@ -204,6 +227,7 @@ def ep_route_count_kernel(
     cta_cnt: cute.Tensor,  # (G, E) int32: pairs of each expert in this CTA's chunk
     abort: cute.Tensor,
     num_experts: cutlass.Constexpr[int],
+    copy_x: cutlass.Constexpr[bool],  # pull: the owners read x from x_sym (push reads x itself)
 ):
     tid, _, _ = cute.arch.thread_idx()
     bid, _, _ = cute.arch.block_idx()
@@ -218,10 +242,11 @@ def ep_route_count_kernel(
         lane = tid % 32
         warps = nthr // 32
         frag = cute.make_rmem_tensor((vec,), x.element_type)
-        for t in cutlass.range(bid * warps + tid // 32, num_tokens, nblk * warps):
-            for c in cutlass.range(lane, hidden // vec, 32):
-                cute.autovec_copy(cute.local_tile(x, (1, vec), (t, c)), frag)
-                cute.autovec_copy(frag, cute.local_tile(x_sym, (1, vec), (t, c)))
+        if cutlass.const_expr(copy_x):
+            for t in cutlass.range(bid * warps + tid // 32, num_tokens, nblk * warps):
+                for c in cutlass.range(lane, hidden // vec, 32):
+                    cute.autovec_copy(cute.local_tile(x, (1, vec), (t, c)), frag)
+                    cute.autovec_copy(frag, cute.local_tile(x_sym, (1, vec), (t, c)))
         # Histogram of this CTA's contiguous chunk of pairs.
         smem = cutlass.utils.SmemAllocator()
         s_hist = smem.allocate_tensor(cutlass.Int32, cute.make_layout(num_experts), byte_alignment=16)
@@ -316,7 +341,7 @@ def ep_route_place_kernel(
 
 @cute.kernel
 def ep_signal_kernel(
-    flags_tab: cute.Tensor,  # (R,) int64: every rank's flags[3, R]
+    flags_tab: cute.Tensor,  # (R,) int64: every rank's flags[NUM_FLAG_KINDS, R]
     rank: cutlass.Int32,
     ep_state: cute.Tensor,  # (STATE_LEN,) int32: the epoch
     abort: cute.Tensor,
@@ -337,7 +362,7 @@ def ep_signal_kernel(
 # ------------------------------------------------------------------------- owner side
 @cute.kernel
 def ep_owner_scan_kernel(
-    flags: cute.Tensor,  # (3, R) int32 symmetric (this rank's)
+    flags: cute.Tensor,  # (NUM_FLAG_KINDS, R) int32 symmetric (this rank's)
     cnt_tab: cute.Tensor,  # (R,) int64: every rank's expert_cnt (E,)
     start_tab: cute.Tensor,  # (R,) int64: every rank's expert_start (E,)
     row_base: cute.Tensor,  # (R, E_loc) int32 symmetric: published row table
@@ -351,9 +376,12 @@ def ep_owner_scan_kernel(
     world: cutlass.Constexpr[int],
     local_experts: cutlass.Constexpr[int],
     tile_m: cutlass.Constexpr[int],
+    block_multiple: cutlass.Constexpr[int],
 ):
     """WAIT ready[s] >= epoch (stage 1) and finished[s] >= prev_epoch (stage 2) for every s, then
-    plan the rows: padded expert offsets, the M-block map, ``row_base`` and the source ranges."""
+    plan the rows: padded expert offsets, the M-block map, ``row_base`` and the source ranges.
+    ``block_multiple = 2`` (GEMM clusters): an odd block count gets a phantom block after the last
+    (expert 0, no real rows), so a cluster's second CTA reads a defined entry and skips its MMAs."""
     tid, _, _ = cute.arch.thread_idx()
     epoch = ep_state[STATE_EPOCH]
     prev_epoch = ep_state[STATE_PREV]
@@ -409,6 +437,11 @@ def ep_owner_scan_kernel(
         if tid == constants.ROUTING_THREADS - 1:
             meta[META_NUM_M_BLOCKS] = incl // tile_m
             meta[META_NUM_ROWS] = incl
+            if cutlass.const_expr(block_multiple > 1):
+                num_blocks = incl // tile_m
+                rounded = (num_blocks + block_multiple - 1) // block_multiple * block_multiple
+                for b in cutlass.range(num_blocks, rounded):
+                    m_block_expert[b] = cutlass.Int32(0)
         if tid == 0:
             prefix = cutlass.Int32(0)
             last_e = first_e + local_experts - 1
@@ -466,7 +499,7 @@ def ep_gather_kernel(
             row = row_base[src, e - first_e] + j
             t = p // top_k
             row_addr = x_tab[src] + cutlass.Int64(t) * (x_sym.layout.stride[0] * 2)
-            for c in cutlass.range(lane, hidden // vec, 32):
+            for c in cutlass.range(lane, hidden // vec, 32, unroll=4):  # 4 peer loads in flight per lane
                 src_vec = cute.make_tensor(
                     cute.make_ptr(x_sym.element_type, row_addr + cutlass.Int64(c) * (vec * 2),
                                   cute.AddressSpace.gmem, assumed_align=16),
@@ -478,9 +511,87 @@ def ep_gather_kernel(
         cute.arch.fence_proxy("async.global")
 
 
+# ------------------------------------------------------------------ push dispatch (dispatch="push")
+@cute.kernel
+def ep_wait_all_kernel(
+    flags: cute.Tensor,  # (NUM_FLAG_KINDS, R) int32 symmetric (own)
+    meta: cute.Tensor,  # (META_LEN,) int32: the GEMMs get no tiles when this rank's chain aborted
+    ep_state: cute.Tensor,  # (STATE_LEN,) int32: the epoch
+    timeout_ns: cutlass.Int64,
+    abort: cute.Tensor,
+    kind: cutlass.Constexpr[int],
+    stage: cutlass.Constexpr[int],
+    world: cutlass.Constexpr[int],
+    proxy_fence: cutlass.Constexpr[bool],
+):
+    """WAIT flags[kind, s] >= epoch for every rank s (one thread per peer). ``proxy_fence``: the
+    peers wrote this rank's ``a_buf`` with generic stores and TMA reads it next (async proxy)."""
+    tid, _, _ = cute.arch.thread_idx()
+    if not _aborted(abort):
+        epoch = ep_state[STATE_EPOCH]
+        if tid < world:
+            deadline = cute.arch.globaltimer() + timeout_ns
+            _spin_wait_ge(flags.iterator + (kind * world + tid), epoch, deadline, abort,
+                          cutlass.Int32(stage), tid, epoch)  # fmt: skip
+    cute.arch.sync_threads()
+    if tid == 0:
+        if _aborted(abort):
+            meta[META_NUM_M_BLOCKS] = cutlass.Int32(0)
+            meta[META_NUM_ROWS] = cutlass.Int32(0)
+    if cutlass.const_expr(proxy_fence):
+        cute.arch.fence_proxy("async.global")
+
+
+@cute.kernel
+def ep_push_kernel(
+    x: cute.Tensor,  # (T, H) bf16: this rank's tokens
+    live_tokens: cute.Tensor,  # (1,) int32
+    send_list: cute.Tensor,  # (P_cap, 2) int32 symmetric (own): (pair, global expert), by expert
+    expert_start: cute.Tensor,  # (E,) int32 symmetric (own)
+    row_base_tab: cute.Tensor,  # (R,) int64: every rank's row_base (R, E_loc)
+    y_tab: cute.Tensor,  # (R,) int64: every rank's a_buf (M_cap, H)
+    rank: cutlass.Int32,
+    abort: cute.Tensor,
+    local_experts: cutlass.Constexpr[int],
+    top_k: cutlass.Constexpr[int],
+):
+    """One warp per own pair i of the send list: write x[token] into the owner's a_buf at
+    ``row_base_owner[rank, le] + j`` (16-byte peer stores); every thread then fences at system
+    scope, so the ``pushed`` flag of the next kernel publishes the rows."""
+    vec = constants.BF16_PER_16B
+    hidden = x.shape[1]
+    tid, _, _ = cute.arch.thread_idx()
+    bid, _, _ = cute.arch.block_idx()
+    nblk, _, _ = cute.arch.grid_dim()
+    bdim, _, _ = cute.arch.block_dim()
+    if not _aborted(abort):
+        warps = bdim // 32
+        lane = tid % 32
+        num_pairs = _live_count(live_tokens, x.shape[0]) * top_k
+        frag = cute.make_rmem_tensor((vec,), x.element_type)
+        for i in cutlass.range(bid * warps + tid // 32, num_pairs, nblk * warps):
+            p = send_list[i, 0]
+            e = send_list[i, 1]
+            d = e // local_experts
+            le = e - d * local_experts
+            j = i - expert_start[e]
+            row = _load_sys(_peer_ptr(row_base_tab, d, cutlass.Int32, 4) + (rank * local_experts + le)) + j
+            t = p // top_k
+            row_addr = y_tab[d] + cutlass.Int64(row) * (hidden * 2)
+            for c in cutlass.range(lane, hidden // vec, 32, unroll=4):
+                dst = cute.make_tensor(
+                    cute.make_ptr(x.element_type, row_addr + cutlass.Int64(c) * (vec * 2),
+                                  cute.AddressSpace.gmem, assumed_align=16),
+                    cute.make_layout(vec),
+                )  # fmt: skip
+                cute.autovec_copy(cute.local_tile(x, (1, vec), (t, c)), frag)
+                cute.autovec_copy(frag, dst)
+        cute.arch.fence_acq_rel_sys()
+
+
 @cute.kernel
 def ep_done_and_wait_kernel(
-    flags: cute.Tensor,  # (3, R) int32 symmetric (own)
+    flags: cute.Tensor,  # (NUM_FLAG_KINDS, R) int32 symmetric (own)
     flags_tab: cute.Tensor,  # (R,) int64
     rank: cutlass.Int32,
     ep_state: cute.Tensor,  # (STATE_LEN,) int32: the epoch

@@ -11,7 +11,7 @@ targets: ``ep_kernels.STATE_*``) and the abort word (kernel 0 clears it); the ho
 Symmetric bytes per rank (bf16, int32)::
 
     2*T_cap*H (x_sym) + 8*T_cap*K (send_list) + 8*E (counts, starts) + 4*R*E_loc (row_base)
-    + 12*R (flags) + 2*M_cap*H (a_buf),  M_cap = max_rows(R*T_cap, K, E_loc, tile_m)
+    + 20*R (flags) + 2*M_cap*H (a_buf),  M_cap = max_rows(R*T_cap, K, E_loc, tile_m, cluster_m)
 
 Exported call (``ep_export``), argument order ``EP_ARGS``; scalars are Python ints.
 """
@@ -42,6 +42,8 @@ EP_ARGS = (
     + ("abort", "rank", "timeout_ns")
 )
 ABORT_LEN = 4
+#: rows of the symmetric ``flags`` array: ready, done, finished (both dispatches), planned, pushed (push)
+NUM_FLAG_KINDS = 5
 #: ep_state slots (local workspace: zeroed at allocation, then owned by the device)
 STATE_EPOCH = 0  # epoch of the forward in flight (kernel 0 increments it)
 STATE_NEXT_PREV = 1  # reuse-wait target of the next forward (0: skip that wait)
@@ -59,28 +61,33 @@ def resync_state(epoch: int) -> list[int]:
 
 
 ABORT_STAGES = {1: "owner waits ready (dispatch)", 2: "owner waits finished (buffer reuse)",
-                3: "source waits done (combine)"}  # fmt: skip
+                3: "source waits done (combine)", 4: "source waits planned (push dispatch)",
+                5: "owner waits pushed (push dispatch)"}  # fmt: skip
 
 
 def ep_grid(num_sms: int, ranks_per_gpu: int) -> int:
     return max(1, num_sms // ranks_per_gpu)
 
 
-def ep_max_rows(max_tokens: int, top_k: int, local_experts: int, tile_m: int, world_size: int) -> int:
-    return max_rows(max(1, max_tokens) * world_size, top_k, local_experts, tile_m)
+def ep_max_rows(
+    max_tokens: int, top_k: int, local_experts: int, tile_m: int, world_size: int, cluster_m: int = 1
+) -> int:
+    """Rows an owner can receive, padded per expert; a multiple of ``tile_m * cluster_m`` (room for
+    the phantom block that closes an odd block count under GEMM clusters)."""
+    return max_rows(max(1, max_tokens) * world_size, top_k, local_experts, tile_m, cluster_m)
 
 
 def ep_symmetric_specs(
-    max_tokens: int, hidden: int, num_experts: int, top_k: int, tile_m: int, world_size: int
+    max_tokens: int, hidden: int, num_experts: int, top_k: int, tile_m: int, world_size: int, cluster_m: int = 1
 ) -> list[SymBufferSpec]:
     """Symmetric buffers of one rank (``num_experts`` is global, divisible by ``world_size``)."""
     if num_experts % world_size:
         raise ValueError(f"{num_experts} experts do not split over {world_size} ranks")
     e_loc = num_experts // world_size
     t_cap = max(1, max_tokens)
-    m_cap = ep_max_rows(max_tokens, top_k, e_loc, tile_m, world_size)
+    m_cap = ep_max_rows(max_tokens, top_k, e_loc, tile_m, world_size, cluster_m)
     return [
-        SymBufferSpec("flags", (3, world_size), "int32"),
+        SymBufferSpec("flags", (NUM_FLAG_KINDS, world_size), "int32"),
         SymBufferSpec("x_sym", (t_cap, hidden), "bfloat16"),
         SymBufferSpec("send_list", (t_cap * top_k, 2), "int32"),
         SymBufferSpec("expert_cnt", (num_experts,), "int32"),
@@ -100,11 +107,12 @@ def ep_local_specs(
     world_size: int,
     num_sms: int,
     ranks_per_gpu: int,
+    cluster_m: int = 1,
 ) -> list[tuple[str, tuple[int, ...], str]]:
     """Local (non-symmetric) workspace: (name, shape, torch dtype name), in argument order."""
     e_loc = num_experts // world_size
     t_cap = max(1, max_tokens)
-    m_cap = ep_max_rows(max_tokens, top_k, e_loc, tile_m, world_size)
+    m_cap = ep_max_rows(max_tokens, top_k, e_loc, tile_m, world_size, cluster_m)
     return [
         ("cta_cnt", (ep_grid(num_sms, ranks_per_gpu), num_experts), "int32"),
         ("pair_pos", (t_cap * top_k,), "int32"),
@@ -123,6 +131,7 @@ __all__ = [
     "EP_LOCAL_BUFFERS",
     "EP_SYM_BUFFERS",
     "EP_TABLES",
+    "NUM_FLAG_KINDS",
     "STATE_EPOCH",
     "STATE_LEN",
     "STATE_NEXT_PREV",

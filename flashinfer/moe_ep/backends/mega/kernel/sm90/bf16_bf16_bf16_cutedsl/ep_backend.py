@@ -80,7 +80,9 @@ class Sm90Bf16EpBackend(Sm90Bf16CutedslBackend):
             tiles[bucket.name] = cached or {}
             self.knob_sources[bucket.name] = "knob cache" if cached else "defaults"
             if layout is None:
-                layout = drop.default_bf16_ep_knobs(geometry, b.world_size, self.ranks_per_gpu, cached).fc1_tile_n
+                layout = drop.default_bf16_ep_knobs(
+                    geometry, b.world_size, self.ranks_per_gpu, cached, bucket=bucket.name
+                ).fc1_tile_n
         try:
             self._set_profiles(geometry, tiles)
         except (TypeError, ValueError) as exc:
@@ -108,7 +110,9 @@ class Sm90Bf16EpBackend(Sm90Bf16CutedslBackend):
         by_knobs: dict[Any, Any] = {}
         by_bucket: dict[str, Any] = {}
         for bucket in self.buckets:
-            knobs = drop.default_bf16_ep_knobs(geometry, b.world_size, self.ranks_per_gpu, tiles[bucket.name])
+            knobs = drop.default_bf16_ep_knobs(
+                geometry, b.world_size, self.ranks_per_gpu, tiles[bucket.name], bucket=bucket.name
+            )
             if knobs not in by_knobs:
                 fe = drop.Bf16EpFrontend(geometry, knobs)
                 fe.check()
@@ -153,6 +157,13 @@ class Sm90Bf16EpBackend(Sm90Bf16CutedslBackend):
             raise MoEEpConfigError("the natural-layout weights are kept only for knobs='auto'")
         return self._natural
 
+    def ep_group(self) -> Any:
+        """The EP process group over NVSHMEM (None with loopback ranks or before the bootstrap)."""
+        from flashinfer.moe_ep.core.runtime.bootstrap import current_runtime
+
+        rt = current_runtime()
+        return rt.group if self.mode == "nvshmem" and rt is not None else None
+
     def make_provider(self) -> Any:
         """This rank's symmetric-buffer provider (loopback group, or NVSHMEM after the bootstrap)."""
         from flashinfer.moe_ep.core.runtime.bootstrap import current_runtime
@@ -187,9 +198,8 @@ class Sm90Bf16EpBackend(Sm90Bf16CutedslBackend):
         def make() -> Any:
             others = tuple(fe for fe in self.distinct_frontends() if fe is not self.frontend)
             with torch.cuda.device(self.device):
-                return EpRankState(
-                    self.frontend, self.make_provider(), rank, self.fleet.max_tokens_per_rank, self.device, others
-                )
+                return EpRankState(self.frontend, self.make_provider(), rank, self.fleet.max_tokens_per_rank,
+                                   self.device, others, self.ep_group())  # fmt: skip
 
         try:
             self.state = comm.WORKSPACES.acquire(key, make)

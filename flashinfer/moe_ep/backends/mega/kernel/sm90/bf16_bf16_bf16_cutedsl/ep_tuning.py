@@ -3,11 +3,10 @@
 Token buckets: ``drop.tuner.TOKEN_BUCKETS`` over the GLOBAL token count ``world_size * T`` (the rows per
 expert that the owners' GEMMs see scale with it, as T does at world size 1), chosen per forward from
 this rank's ``T`` (a host shape; under a CUDA graph the captured rows). Each bucket has one knob set:
-``tile_m``, ``fc1_tile_n``, ``fc2_tile_n``; the FC1 tile is the weight layout, so every bucket takes the
-largest bucket's. Every bucket's kernel shares the rank's one EP state (buffers sized for all).
-Defaults: the same tiles in every bucket (64-row M tiles, N tiles up to 128, the shapes the loopback
-tests ran; EP has not been measured on several GPUs), so only the knob cache or autotune make the
-buckets differ.
+``tile_m``, ``fc1_tile_n``, ``fc2_tile_n``, ``cluster_m``, ``dispatch``; the FC1 tile is the weight layout, so every
+bucket takes the largest bucket's. Every bucket's kernel shares the rank's one EP state (buffers sized
+for all). Defaults per bucket: ``drop.EP_BUCKET_DEFAULTS`` (the world-size-1 defaults; measured
+against the EP autotune winners on two H200s, TUNING.md).
 
 Autotune (``knobs="auto"`` at ``warmup()``, or the ``tune`` command): per bucket, largest first, at one
 T per rank (``bucket_plan``), ``drop.autotune`` over ``drop.ep_candidates`` (every valid tile
@@ -74,7 +73,7 @@ def bucket_plan(world_size: int, max_tokens: int) -> list[tuple[Any, int]]:
     return plan
 
 
-def cached_ep_knobs(geometry: Any, context: Any, bucket: str, path: Path | None = None) -> dict[str, int] | None:
+def cached_ep_knobs(geometry: Any, context: Any, bucket: str, path: Path | None = None) -> dict[str, int | str] | None:
     """The recorded tile knobs of ``geometry`` in ``context`` and ``bucket``, or None (a miss, the cache
     off, an entry of other knobs)."""
     drop = _drop()
@@ -82,7 +81,7 @@ def cached_ep_knobs(geometry: Any, context: Any, bucket: str, path: Path | None 
     entry = drop.knob_cache.lookup(key, path)
     if entry is None or set(entry.knobs) != set(drop.EP_TILE_KNOBS):
         return None
-    return {k: int(v) for k, v in entry.knobs.items()}
+    return {k: v if isinstance(v, str) else int(v) for k, v in entry.knobs.items()}
 
 
 def describe_ep_knobs(knobs: Any) -> str:
@@ -98,18 +97,19 @@ def record_ep_knobs(
 
 
 class _Candidate:
-    """One rank's resources for one candidate: kernel, weights in its layout, a fresh EP rank state,
-    random inputs of ``tokens`` rows."""
+    """One rank's resources for one candidate: kernel, weights in its layout, the run's EP rank state
+    (``state``: one per rank for the whole autotune, sized for every candidate), random inputs of
+    ``tokens`` rows."""
 
-    def __init__(self, backend: Any, knobs: Any, tokens: int, weights: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def __init__(
+        self, backend: Any, knobs: Any, tokens: int, weights: tuple[torch.Tensor, torch.Tensor], state: Any
+    ) -> None:
         drop = _drop()
         self.frontend = drop.Bf16EpFrontend(backend.frontend.geometry, knobs)
         self.frontend.check()
         self.fn = self.frontend.load()  # the kernel cache (or a compile where CuTe DSL is installed)
         self.w13, self.w2 = weights  # in this candidate's layout (``autotune_ep`` prepares each layout once)
-        with torch.cuda.device(backend.device):
-            self.state = drop.EpRankState(self.frontend, backend.make_provider(), backend.bootstrap.rank,
-                                          backend.fleet.max_tokens_per_rank, backend.device)  # fmt: skip
+        self.state = state
         c = backend.config
         gen = torch.Generator().manual_seed(4321 + backend.bootstrap.rank)
         self.x = make_hidden_states(tokens, c.hidden_size, generator=gen, device=backend.device)
@@ -125,9 +125,6 @@ class _Candidate:
         hit = self.state.poll_abort(wait=True)
         if hit is not None:
             raise RuntimeError(f"cross-rank wait {self.state.describe_stage(hit[0])} on rank {hit[1]} expired")
-
-    def release(self) -> None:
-        self.state.release()
 
 
 def _timer(checks: Callable[[], None]) -> Callable[[Callable[[], Any], int], list[float]]:
@@ -178,9 +175,33 @@ def autotune_ep(
             prepared[knobs.fc1_tile_n] = [fe.prepare_weights(*be.natural_weights()) for be in backends]
         return prepared[knobs.fc1_tile_n]
 
+    states: list[Any] = []  # every rank's one EP state of the run (a fresh one per candidate would grow
+    # the NVSHMEM heap: freed blocks were not reused on two H200s, and the decode bucket ran out of memory)
+
+    def state_for_next() -> list[Any]:
+        """The run's states, allocated at the first candidate (collective), then resynchronized: every
+        rank idle, the largest epoch any rank reached, the next reuse wait skipped (as after a failed
+        forward, so a candidate that aborted leaves nothing behind)."""
+        if not states:
+            for be in backends:  # in rank order: the loopback provider pairs the ranks' allocations
+                with torch.cuda.device(be.device):
+                    states.append(drop.EpRankState(sizing[0], be.make_provider(), be.bootstrap.rank,
+                                                   be.fleet.max_tokens_per_rank, be.device, sizing[1:],
+                                                   be.ep_group()))  # fmt: skip
+            return states
+        torch.cuda.synchronize()
+        top = max(s.device_epoch() for s in states)
+        if not loopback:
+            import torch.distributed as dist
+
+            epoch = torch.tensor([top], dtype=torch.int64, device=first.device)
+            dist.all_reduce(epoch, op=dist.ReduceOp.MAX, group=group)
+            top = int(epoch.item())
+        for s in states:
+            s.resync(top)
+        return states
+
     def release() -> None:
-        for c in current[0]:  # in rank order: the loopback provider pairs the ranks' allocations
-            c.release()
         current[0] = []
         torch.cuda.synchronize()
 
@@ -188,65 +209,75 @@ def autotune_ep(
         for c in current[0]:
             c.check()
 
+    plan = bucket_plan(b.world_size, first.fleet.max_tokens_per_rank)
+    geometry, rpg = first.frontend.geometry, first.ranks_per_gpu
+    every = {first.by_bucket[bk.name].knobs for bk, _ in plan}
+    every |= {k for bk, _ in plan for k in drop.ep_candidates(geometry, b.world_size, rpg, bk.name)}
+    sizing = tuple(drop.Bf16EpFrontend(geometry, k) for k in sorted(every, key=repr))
     results: dict[str, Any] = {}
     pinned_fc1: int | None = None
-    for bucket, tokens in bucket_plan(b.world_size, first.fleet.max_tokens_per_rank):
+    try:
+        for bucket, tokens in plan:
 
-        def run_candidate(knobs: Any, tokens: int = tokens) -> Callable[[], None]:
-            release()  # the previous candidate's symmetric state first, in lockstep
-            weights = weights_for(knobs)
-            current[0] = [_Candidate(be, knobs, tokens, w) for be, w in zip(backends, weights, strict=True)]
-            torch.cuda.synchronize()  # flags zeroed before any rank signals (autotune's barrier follows)
-            if not loopback:
-                return current[0][0].launch
+            def run_candidate(knobs: Any, tokens: int = tokens) -> Callable[[], None]:
+                release()
+                weights = weights_for(knobs)
+                ranks = zip(backends, weights, state_for_next(), strict=True)
+                current[0] = [_Candidate(be, knobs, tokens, w, st) for be, w, st in ranks]
+                torch.cuda.synchronize()  # flags zeroed before any rank signals (autotune's barrier follows)
+                if not loopback:
+                    return current[0][0].launch
 
-            def launch_all() -> None:
-                main = torch.cuda.current_stream()
-                for c, s in zip(current[0], streams, strict=True):
-                    s.wait_stream(main)
-                    with torch.cuda.stream(s):
-                        c.launch()
-                for s in streams:
-                    main.wait_stream(s)
+                def launch_all() -> None:
+                    main = torch.cuda.current_stream()
+                    for c, s in zip(current[0], streams, strict=True):
+                        s.wait_stream(main)
+                        with torch.cuda.stream(s):
+                            c.launch()
+                    for s in streams:
+                        main.wait_stream(s)
 
-            return launch_all
+                return launch_all
 
-        incumbent = first.by_bucket[bucket.name].knobs
-        if pinned_fc1 is not None:  # the weight layout is the largest bucket's
-            tiles = {**drop.ep_tile_knobs(incumbent), "fc1_tile_n": pinned_fc1}
-            incumbent = drop.default_bf16_ep_knobs(
-                first.frontend.geometry, incumbent.world_size, incumbent.ranks_per_gpu, tiles
+            incumbent = first.by_bucket[bucket.name].knobs
+            if pinned_fc1 is not None:  # the weight layout is the largest bucket's
+                tiles = {**drop.ep_tile_knobs(incumbent), "fc1_tile_n": pinned_fc1}
+                incumbent = drop.default_bf16_ep_knobs(
+                    first.frontend.geometry, incumbent.world_size, incumbent.ranks_per_gpu, tiles
+                )
+            cands = [incumbent] + [
+                k
+                for k in drop.ep_candidates(first.frontend.geometry, b.world_size, incumbent.ranks_per_gpu, bucket.name)
+                if k != incumbent and (pinned_fc1 is None or k.fc1_tile_n == pinned_fc1)
+            ]
+            label = f"autotune {first.config.kernel_name} world {b.world_size} {bucket.name} T={tokens}/rank" + (
+                " (loopback)" if loopback else ""
             )
-        cands = [incumbent] + [
-            k
-            for k in drop.ep_candidates(first.frontend.geometry, b.world_size, incumbent.ranks_per_gpu)
-            if k != incumbent and (pinned_fc1 is None or k.fc1_tile_n == pinned_fc1)
-        ]
-        label = f"autotune {first.config.kernel_name} world {b.world_size} {bucket.name} T={tokens}/rank" + (
-            " (loopback)" if loopback else ""
-        )
-        try:
-            result = drop.autotune.autotune(
-                cands,
-                run_candidate,
-                group=None if loopback else group,
-                rank=0 if loopback else b.rank,
-                world_size=1 if loopback else b.world_size,
-                timer=_timer(checks),
-                iters=iters,
-                progress=progress,
-                label=label,
-                incumbent=incumbent,
-                margin=margin,
-            )
-        except drop.autotune.AutotuneError as exc:
-            raise MoEEpBackendUnavailableError(str(exc)) from None
-        finally:
-            release()
-        results[bucket.name] = (result, tokens)
-        if pinned_fc1 is None:
-            pinned_fc1 = result.winner.fc1_tile_n
-    prepared.clear()
+            try:
+                result = drop.autotune.autotune(
+                    cands,
+                    run_candidate,
+                    group=None if loopback else group,
+                    rank=0 if loopback else b.rank,
+                    world_size=1 if loopback else b.world_size,
+                    timer=_timer(checks),
+                    iters=iters,
+                    progress=progress,
+                    label=label,
+                    incumbent=incumbent,
+                    margin=margin,
+                )
+            except drop.autotune.AutotuneError as exc:
+                raise MoEEpBackendUnavailableError(str(exc)) from None
+            finally:
+                release()
+            results[bucket.name] = (result, tokens)
+            if pinned_fc1 is None:
+                pinned_fc1 = result.winner.fc1_tile_n
+    finally:
+        prepared.clear()
+        for st in states:  # in rank order (collective: every rank gets here, also on an error)
+            st.release()
     return results
 
 
