@@ -235,7 +235,7 @@ def test_bitwise_repeatable_under_launch_skew(name: str) -> None:
     w = _world(name)
     inp = w.inputs(_uneven(w.R), "skewed", seed=8)
     first = w.check(*inp)
-    for i in range(10):
+    for i in range(20):  # issue #5: bitwise equal across 20 runs
         skew = [((r + i) % w.R) * 2_000_000 for r in range(w.R)]  # some ranks start ~1 ms late
         outs, aborts, _ = w.forward(*inp, skew_cycles=skew)
         assert all(a[0] == 0 for a in aborts), (i, aborts, f"host enqueue {w.last_enqueue_s:.3f} s")
