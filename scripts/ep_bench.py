@@ -134,12 +134,12 @@ def main() -> int:
         if gpu and rank == 0:
             from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
 
-            tiles = {b: drop.ep_tile_knobs(fe.knobs) for b, fe in layer._backend.by_bucket.items()}
+            tiles = {b: drop.ep_knob_dict(fe.knobs) for b, fe in layer._backend.by_bucket.items()}
             print(f"{name} knobs {spec}: {tiles}", flush=True)
             for bucket, result in layer._backend.tune_results.items():  # knobs "auto": every candidate's time
                 ranked = sorted(result.table, key=lambda r: r.ms)
                 tiles_ms = (
-                    "/".join(map(str, drop.ep_tile_knobs(r.candidate).values())) + f" {r.ms:.3f}" for r in ranked
+                    "/".join(map(str, drop.ep_knob_dict(r.candidate).values())) + f" {r.ms:.3f}" for r in ranked
                 )
                 print(f"  autotune {name} {bucket} (m/fc1/fc2 ms): " + ", ".join(tiles_ms), flush=True)
         w13_t, w2_t = w13.transpose(1, 2), w2.transpose(1, 2)

@@ -278,7 +278,7 @@ def test_sm90_ep_layer_knobs_auto_over_nvshmem(runtime, tmp_path) -> None:
     layer = _rank_layer(runtime, cfg, w13, w2, SM90_EP_MAX_TOKENS, check_values=False)
     layer.warmup()  # collective: the autotune
     assert sorted(layer._backend.tune_results) == sorted(b.name for b in layer._backend.buckets)
-    winner = {name: drop.ep_tile_knobs(fe.knobs) for name, fe in layer._backend.by_bucket.items()}
+    winner = {name: drop.ep_knob_dict(fe.knobs) for name, fe in layer._backend.by_bucket.items()}
     gathered = [None] * WORLD
     dist.all_gather_object(gathered, winner, group=runtime.group)
     assert all(gw == winner for gw in gathered), "ranks applied different winners"
@@ -291,7 +291,7 @@ def test_sm90_ep_layer_knobs_auto_over_nvshmem(runtime, tmp_path) -> None:
     if RANK == 0:
         context = ep_tuning.ep_context(torch.device(dev), WORLD, loopback=False)
         for name, fe in layer._backend.by_bucket.items():
-            assert ep_tuning.cached_ep_knobs(fe.geometry, context, name) == drop.ep_tile_knobs(fe.knobs)
+            assert ep_tuning.cached_ep_knobs(fe.geometry, context, name) == drop.ep_knob_dict(fe.knobs)
     dist.barrier(group=runtime.group)
     layer.destroy()
     del os.environ["FLASHINFER_MOE_EP_KNOB_CACHE"]

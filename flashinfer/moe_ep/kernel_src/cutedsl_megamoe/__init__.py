@@ -13,13 +13,13 @@ from .shim.bf16 import Bf16Frontend, Bf16Knobs, default_bf16_knobs
 from .shim.bf16_ep import (
     EP_BUCKET_DEFAULTS,
     EP_KNOB_FAMILY,
-    EP_TILE_KNOBS,
+    EP_KNOBS,
     Bf16EpFrontend,
     Bf16EpKnobs,
     EpRankState,
     default_bf16_ep_knobs,
     ep_candidates,
-    ep_tile_knobs,
+    ep_knob_dict,
 )
 from .shim.drop_update import NEXT_STEPS, update_drop
 from .shim.frontend import (
@@ -42,7 +42,7 @@ __all__ = [
     "Bf16EpKnobs",
     "EP_KNOB_FAMILY",
     "EP_BUCKET_DEFAULTS",
-    "EP_TILE_KNOBS",
+    "EP_KNOBS",
     "Bf16Frontend",
     "Bf16Knobs",
     "Geometry",
@@ -62,7 +62,7 @@ __all__ = [
     "EpRankState",
     "default_bf16_ep_knobs",
     "ep_candidates",
-    "ep_tile_knobs",
+    "ep_knob_dict",
     "default_bf16_knobs",
     "default_quant_knobs",
     "dsl_available",

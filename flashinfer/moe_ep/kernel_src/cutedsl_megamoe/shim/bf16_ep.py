@@ -42,7 +42,7 @@ class Bf16EpKnobs:
 
 #: the EP knobs a config may set and the knob cache records (``world_size``, ``ranks_per_gpu`` come
 #: from the bootstrap, the grid from the device)
-EP_TILE_KNOBS = ("tile_m", "fc1_tile_n", "fc2_tile_n", "cluster_m", "dispatch")
+EP_KNOBS = ("tile_m", "fc1_tile_n", "fc2_tile_n", "cluster_m", "dispatch")
 #: the knob-cache family of the EP kernel (its buckets: ``tuner.TOKEN_BUCKETS`` over the global T)
 EP_KNOB_FAMILY = "moe_bf16_ep"
 #: autotune value sets (every valid combination is a candidate)
@@ -72,11 +72,11 @@ def default_bf16_ep_knobs(
     """The defaults of token ``bucket`` (``EP_BUCKET_DEFAULTS``: the world-size-1 defaults, which won
     or came within a few percent of the EP autotune winners on two H200s, TUNING.md), N tiles narrowed
     to what divides the problem and ``cluster_m`` to 1 on an odd grid, with ``overrides`` (a subset of
-    ``EP_TILE_KNOBS``) applied. Raises ValueError on another knob name or bucket; the values are
+    ``EP_KNOBS``) applied. Raises ValueError on another knob name or bucket; the values are
     checked by ``Bf16EpFrontend.check``."""
-    unknown = sorted(set(overrides or {}) - set(EP_TILE_KNOBS))
+    unknown = sorted(set(overrides or {}) - set(EP_KNOBS))
     if unknown:
-        raise ValueError(f"unknown EP knob(s) {', '.join(unknown)}; known: {', '.join(EP_TILE_KNOBS)}")
+        raise ValueError(f"unknown EP knob(s) {', '.join(unknown)}; known: {', '.join(EP_KNOBS)}")
     if bucket not in EP_BUCKET_DEFAULTS:
         raise ValueError(f"unknown token bucket {bucket!r}; known: {', '.join(EP_BUCKET_DEFAULTS)}")
     tile_m, fc1_widest, fc2_widest, cluster_m, dispatch = EP_BUCKET_DEFAULTS[bucket]
@@ -115,9 +115,9 @@ def ep_candidates(
     return out
 
 
-def ep_tile_knobs(knobs: Bf16EpKnobs) -> dict[str, int | str]:
+def ep_knob_dict(knobs: Bf16EpKnobs) -> dict[str, int | str]:
     """The tunable part of ``knobs`` (what the knob cache records)."""
-    return {name: getattr(knobs, name) for name in EP_TILE_KNOBS}
+    return {name: getattr(knobs, name) for name in EP_KNOBS}
 
 
 class Bf16EpFrontend(Bf16Frontend):
@@ -312,12 +312,12 @@ class EpRankState:
 
 __all__ = [
     "EP_KNOB_FAMILY",
-    "EP_TILE_KNOBS",
+    "EP_KNOBS",
     "Bf16EpFrontend",
     "Bf16EpKnobs",
     "EpRankState",
     "default_bf16_ep_knobs",
     "ep_candidates",
-    "ep_tile_knobs",
+    "ep_knob_dict",
     "merge_specs",
 ]

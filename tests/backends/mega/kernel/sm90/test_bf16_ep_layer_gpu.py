@@ -181,7 +181,7 @@ def test_knobs_auto_tunes_every_loopback_rank_together(tmp_path, monkeypatch) ->
         assert all(be.by_bucket[name].knobs == result.winner for be in backends)
         assert sum(row.ok for row in result.table) >= 2 and result.table[0].ok  # the incumbent ran too
         drop.Bf16EpFrontend(geometry, result.winner).check()
-        print(f"EP autotune (loopback) {name}:", drop.ep_tile_knobs(result.winner), f"{result.winner_ms:.3f} ms",
+        print(f"EP autotune (loopback) {name}:", drop.ep_knob_dict(result.winner), f"{result.winner_ms:.3f} ms",
               f"{len(result.table)} candidates")  # fmt: skip
     assert results["decode"].winner.fc1_tile_n == results["mid"].winner.fc1_tile_n
     g = torch.Generator().manual_seed(21)
@@ -194,7 +194,7 @@ def test_knobs_auto_tunes_every_loopback_rank_together(tmp_path, monkeypatch) ->
     real = ep_tuning.ep_context(torch.device("cuda"), EP_AUTO_WORLD, loopback=False)
     context = ep_tuning.ep_context(torch.device("cuda"), EP_AUTO_WORLD, loopback=True)
     for name, result in results.items():
-        assert ep_tuning.cached_ep_knobs(geometry, context, name) == drop.ep_tile_knobs(result.winner)
+        assert ep_tuning.cached_ep_knobs(geometry, context, name) == drop.ep_knob_dict(result.winner)
         assert ep_tuning.cached_ep_knobs(geometry, real, name) is None
     for layer in layers:
         layer.destroy()

@@ -14,9 +14,10 @@ class Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(MegaKernelConfig):  # noqa: N801
     every bucket at ``warmup``), or a mapping of the kernel's compile-time knobs for every bucket
     (``tile_m``, ``fc1_tile_n``, ``fc2_tile_n``, ``fc1_stages``, ``fc2_stages``, ``num_sms``,
     ``cluster_m``); see TUNING.md, "Tuning surface". At world size > 1 (the expert-parallel kernel)
-    a dict holds only ``tile_m``, ``fc1_tile_n``, ``fc2_tile_n``; its token buckets are over the global
-    token count and ``"auto"`` tunes them collectively at ``warmup`` (``ep_tuning.py``). Needs hidden
-    and intermediate sizes that are multiples of 64.
+    a dict holds ``tile_m``, ``fc1_tile_n``, ``fc2_tile_n``, ``cluster_m`` and ``dispatch`` (``"pull"``
+    or ``"push"``), over each bucket's defaults; its token buckets are over the global token count and
+    ``"auto"`` tunes them collectively at ``warmup`` (``ep_tuning.py``, docs/ep.md). Needs hidden and
+    intermediate sizes that are multiples of 64.
     """
 
     kernel_name: ClassVar[str] = "sm90_bf16_bf16_bf16_cutedsl"

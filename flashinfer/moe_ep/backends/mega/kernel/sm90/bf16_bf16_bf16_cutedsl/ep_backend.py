@@ -61,7 +61,7 @@ class Sm90Bf16EpBackend(Sm90Bf16CutedslBackend):
         if c.knobs is not None and not auto and not isinstance(c.knobs, dict):
             raise MoEEpConfigError(
                 f"{c.kernel_name} at world_size > 1 takes knobs=None, {tuning.AUTO!r} or a dict of "
-                f"{', '.join(drop.EP_TILE_KNOBS)}; got {c.knobs!r}"
+                f"{', '.join(drop.EP_KNOBS)}; got {c.knobs!r}"
             )
         geometry = tuning.make_geometry(c, c.num_experts)  # the EP kernel takes the GLOBAL expert count
         self.ranks_per_gpu = b.world_size if self.mode == "loopback" else 1
@@ -138,7 +138,7 @@ class Sm90Bf16EpBackend(Sm90Bf16CutedslBackend):
         rt = current_runtime()
         if rt is None or rt.group is None:
             return  # no runtime yet: allocate_workspace raises the error that says what to do
-        mine = {name: drop.ep_tile_knobs(fe.knobs) for name, fe in self.by_bucket.items()}
+        mine = {name: drop.ep_knob_dict(fe.knobs) for name, fe in self.by_bucket.items()}
         box = [(mine, self.knob_sources)]
         dist.broadcast_object_list(box, src=dist.get_global_rank(rt.group, 0), group=rt.group)
         theirs, self.knob_sources = box[0]
@@ -247,7 +247,7 @@ class Sm90Bf16EpBackend(Sm90Bf16CutedslBackend):
 
         natural = self.natural_weights()
         self.destroy()
-        self._set_profiles(self.frontend.geometry, {n: drop.ep_tile_knobs(r.winner) for n, (r, _) in results.items()})
+        self._set_profiles(self.frontend.geometry, {n: drop.ep_knob_dict(r.winner) for n, (r, _) in results.items()})
         self.w13, self.w2 = self.frontend.prepare_weights(*natural)
         self.allocate_workspace()
         self.tune_results = {n: r for n, (r, _) in results.items()}

@@ -79,13 +79,13 @@ def cached_ep_knobs(geometry: Any, context: Any, bucket: str, path: Path | None 
     drop = _drop()
     key = drop.knob_cache.KnobKey.make(drop.EP_KNOB_FAMILY, geometry, bucket, context)
     entry = drop.knob_cache.lookup(key, path)
-    if entry is None or set(entry.knobs) != set(drop.EP_TILE_KNOBS):
+    if entry is None or set(entry.knobs) != set(drop.EP_KNOBS):
         return None
     return {k: v if isinstance(v, str) else int(v) for k, v in entry.knobs.items()}
 
 
 def describe_ep_knobs(knobs: Any) -> str:
-    return ", ".join(f"{k}={v}" for k, v in _drop().ep_tile_knobs(knobs).items())
+    return ", ".join(f"{k}={v}" for k, v in _drop().ep_knob_dict(knobs).items())
 
 
 def record_ep_knobs(
@@ -93,7 +93,7 @@ def record_ep_knobs(
 ) -> None:
     drop = _drop()
     key = drop.knob_cache.KnobKey.make(drop.EP_KNOB_FAMILY, geometry, bucket, context)
-    drop.knob_cache.record(key, drop.ep_tile_knobs(knobs), path, source="autotune", ms=ms, tokens=tokens)
+    drop.knob_cache.record(key, drop.ep_knob_dict(knobs), path, source="autotune", ms=ms, tokens=tokens)
 
 
 class _Candidate:
@@ -241,7 +241,7 @@ def autotune_ep(
 
             incumbent = first.by_bucket[bucket.name].knobs
             if pinned_fc1 is not None:  # the weight layout is the largest bucket's
-                tiles = {**drop.ep_tile_knobs(incumbent), "fc1_tile_n": pinned_fc1}
+                tiles = {**drop.ep_knob_dict(incumbent), "fc1_tile_n": pinned_fc1}
                 incumbent = drop.default_bf16_ep_knobs(
                     first.frontend.geometry, incumbent.world_size, incumbent.ranks_per_gpu, tiles
                 )
