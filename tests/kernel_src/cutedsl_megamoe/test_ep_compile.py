@@ -106,3 +106,43 @@ def test_ep_rank_state_passes_its_buffers_in_the_exported_argument_order() -> No
             assert by_name[sym] is st.host.buffers[sym]
         for table, buf in ws.EP_TABLES:  # every rank's address of that buffer, own rank's at index r
             assert by_name[table].tolist() == [s.host.buffers[buf].data_ptr() for s in states]
+
+
+def test_ep_rank_state_checks_every_ranks_room_before_allocating(monkeypatch) -> None:
+    """Over NVSHMEM an EP state first all-reduces the free GPU memory (symmetric arena + local workspace
+    + one heap chunk): a rank without room raises MemoryError before the collective allocation, so
+    nothing is half allocated; with room it allocates. A CPU stand-in for the NVSHMEM provider, one-rank
+    gloo group, the free-memory query stubbed."""
+    import torch
+    import torch.distributed as dist
+
+    from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import comm
+    from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import kernel_helpers as kh
+
+    class FakeNvshmem(kh.DeviceMemoryProvider):
+        kind = "nvshmem"
+        calls = 0
+
+        def allocate(self, nbytes: int) -> torch.Tensor:
+            FakeNvshmem.calls += 1
+            return super().allocate(nbytes)
+
+    g = drop.Geometry(256, 128, 16, 4, "swiglu", None)
+    fe = drop.Bf16EpFrontend(g, drop.default_bf16_ep_knobs(g, 2, 1))
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.new_group([0], backend="gloo")
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (comm.HEAP_CHUNK, 1 << 40))
+        with pytest.raises(MemoryError, match="free GPU memory for the symmetric workspace"):
+            drop.EpRankState(fe, FakeNvshmem(torch.device("cpu")), 0, 32, torch.device("cpu"), group=group)
+        assert FakeNvshmem.calls == 0
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 40, 1 << 40))
+        state = drop.EpRankState(fe, FakeNvshmem(torch.device("cpu")), 0, 32, torch.device("cpu"), group=group)
+        assert FakeNvshmem.calls == 1
+        state.release()
+    finally:
+        if created:
+            dist.destroy_process_group()
