@@ -1,4 +1,4 @@
-"""BF16 expert-parallel frontend: ``Sm90MegaMoEBf16EpKernel`` (the draft in-kernel EP protocol, see
+"""BF16 expert-parallel frontend: ``Sm90MegaMoEBf16EpKernel`` (the in-kernel EP protocol, see
 docs/ep.md) through the shared frontend core, plus the per-rank state one EP layer needs (symmetric
 arena, pointer tables, local workspace, abort word, epochs)."""
 

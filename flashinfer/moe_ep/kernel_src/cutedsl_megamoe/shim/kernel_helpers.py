@@ -92,7 +92,7 @@ SRC_SYMBOLS: dict[str, SrcSymbol] = {
         call_params=QUANT_KERNEL_CALL,
     ),
     "export_moe_quant": SrcSymbol("moe_quant_glu.export", "export_moe_quant", True, ("shim/quant.py",)),
-    # expert parallelism (draft protocol; used by the loopback build script and its GPU test for now)
+    # expert parallelism (the EP frontend, the loopback build script and the EP tests)
     "ep_workspace": SrcSymbol(
         "moe_bf16_glu.ep_workspace", "", False, ("shim/bf16_ep.py", "scripts/build_ep_loopback.py", "tests")
     ),

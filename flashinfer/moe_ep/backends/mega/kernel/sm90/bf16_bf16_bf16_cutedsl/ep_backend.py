@@ -1,4 +1,4 @@
-"""The SM90 BF16 backend at ``world_size > 1``: the drop's draft in-kernel EP protocol (docs/ep.md).
+"""The SM90 BF16 backend at ``world_size > 1``: the drop's in-kernel EP protocol (docs/ep.md).
 
 Every rank's layer launches one chain of kernels that dispatches tokens to the owners' experts through
 symmetric buffers, runs FC1/FC2 there and combines the results back, with deadlines on every
