@@ -146,3 +146,38 @@ def test_ep_rank_state_checks_every_ranks_room_before_allocating(monkeypatch) ->
     finally:
         if created:
             dist.destroy_process_group()
+
+
+def test_resync_states_continues_every_rank_after_the_largest_epoch() -> None:
+    """``resync_states`` (recovery after a failed forward, and between EP autotune candidates): every
+    state of the process continues after the largest epoch any rank reached, its next reuse wait
+    skipped; over a process group the epoch is all-reduced (here a one-rank gloo group)."""
+    import torch
+    import torch.distributed as dist
+
+    from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import comm
+    from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import kernel_helpers as kh
+
+    ws = kh.ep_workspace
+    g = drop.Geometry(256, 128, 16, 4, "swiglu", None)
+    fe = drop.Bf16EpFrontend(g, drop.default_bf16_ep_knobs(g, 2, 2))
+    group = kh.LoopbackGroup(2, torch.device("cpu"))
+    states = [drop.EpRankState(fe, comm.make_provider("loopback", 2, r, torch.device("cpu"), group), r, 32,
+                               torch.device("cpu")) for r in range(2)]  # fmt: skip
+    for s, epoch in zip(states, (7, 9), strict=True):  # rank 0 aborted two forwards earlier
+        s.ep_state.copy_(torch.tensor([epoch, epoch, epoch - 1, 0], dtype=torch.int32))
+    assert drop.resync_states(states) == 9
+    for s in states:
+        assert s.ep_state.tolist() == ws.resync_state(9)
+        assert s.ep_state[ws.STATE_NEXT_PREV] == 0  # the next forward skips the reuse wait
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        states[0].ep_state[ws.STATE_EPOCH] = 12
+        assert drop.resync_states(states[:1], dist.new_group([0], backend="gloo")) == 12
+    finally:
+        if created:
+            dist.destroy_process_group()
+    for s in states:
+        s.release()

@@ -20,6 +20,7 @@ from .shim.bf16_ep import (
     default_bf16_ep_knobs,
     ep_candidates,
     ep_knob_dict,
+    resync_states,
 )
 from .shim.drop_update import NEXT_STEPS, update_drop
 from .shim.frontend import (
@@ -63,6 +64,7 @@ __all__ = [
     "default_bf16_ep_knobs",
     "ep_candidates",
     "ep_knob_dict",
+    "resync_states",
     "default_bf16_knobs",
     "default_quant_knobs",
     "dsl_available",

@@ -5,6 +5,7 @@ arena, pointer tables, local workspace, abort word, epochs)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -296,7 +297,8 @@ class EpRankState:
         any rank) and skip the next reuse wait (``ep_workspace.resync_state``)."""
         state = kh.ep_workspace.resync_state(epoch)
         self.ep_state.copy_(torch.tensor(state, dtype=torch.int32))
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.abort_host.zero_()
         self.abort_event = None
 
@@ -310,6 +312,28 @@ class EpRankState:
         self._state_args = None
 
 
+def resync_states(states: Sequence[EpRankState], group: Any = None) -> int:
+    """With every rank idle (after a failed forward, or between autotune candidates): every state
+    continues after the largest epoch any rank reached, its next reuse wait skipped, so the next
+    forward's flags are newer than anything an earlier one left. ``states``: the ranks of this process
+    (every rank of a loopback group, or this rank's one state); ``group``: the EP process group when
+    the ranks are processes (an all-reduce MAX; every rank calls this), else None. Returns the epoch."""
+    for s in states:
+        if s.device.type == "cuda":
+            torch.cuda.synchronize(s.device)
+    top = max(s.device_epoch() for s in states)
+    if group is not None:
+        import torch.distributed as dist
+
+        on = states[0].device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        epoch = torch.tensor([top], dtype=torch.int64, device=on)
+        dist.all_reduce(epoch, op=dist.ReduceOp.MAX, group=group)
+        top = int(epoch.item())
+    for s in states:
+        s.resync(top)
+    return top
+
+
 __all__ = [
     "EP_KNOB_FAMILY",
     "EP_KNOBS",
@@ -319,5 +343,6 @@ __all__ = [
     "default_bf16_ep_knobs",
     "ep_candidates",
     "ep_knob_dict",
+    "resync_states",
     "merge_specs",
 ]

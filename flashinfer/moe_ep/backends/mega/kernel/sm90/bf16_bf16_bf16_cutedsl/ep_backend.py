@@ -273,20 +273,12 @@ class Sm90Bf16EpBackend(Sm90Bf16CutedslBackend):
         """Collective (every rank calls it, after a ``MoEEpTransportError``): wait for this rank's work,
         then agree on the largest epoch any rank reached, so that the next forward's flags are newer than
         anything a failed forward left behind, also on a rank that never ran it."""
-        torch.cuda.synchronize(self.device)
-        if self.mode == "loopback":
-            states = _LOOPBACK_STATES.get(self._peers_key(), {})
-            top = max(s.device_epoch() for s in states.values())
-            for s in states.values():  # one process holds every rank: set them all (idempotent)
-                s.resync(top)
-            return
-        import torch.distributed as dist
+        from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import resync_states
 
-        from flashinfer.moe_ep.core.runtime.bootstrap import current_runtime
-
-        epoch = torch.tensor([self.state.device_epoch()], dtype=torch.int64, device=self.device)
-        dist.all_reduce(epoch, op=dist.ReduceOp.MAX, group=current_runtime().group)
-        self.state.resync(int(epoch.item()))
+        if self.mode == "loopback":  # one process holds every rank: set them all (idempotent)
+            resync_states(list(_LOOPBACK_STATES.get(self._peers_key(), {}).values()))
+        else:
+            resync_states([self.state], self.ep_group())
 
     def compute(self, staged: MoEEpTensors, output: torch.Tensor) -> torch.Tensor:
         # the bucket of the rows given (a host shape; under a graph the captured rows, whatever num_tokens)

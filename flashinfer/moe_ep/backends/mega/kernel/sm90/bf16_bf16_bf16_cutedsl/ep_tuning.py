@@ -189,16 +189,7 @@ def autotune_ep(
                                                    be.fleet.max_tokens_per_rank, be.device, sizing[1:],
                                                    be.ep_group()))  # fmt: skip
             return states
-        torch.cuda.synchronize()
-        top = max(s.device_epoch() for s in states)
-        if not loopback:
-            import torch.distributed as dist
-
-            epoch = torch.tensor([top], dtype=torch.int64, device=first.device)
-            dist.all_reduce(epoch, op=dist.ReduceOp.MAX, group=group)
-            top = int(epoch.item())
-        for s in states:
-            s.resync(top)
+        drop.resync_states(states, None if loopback else group)
         return states
 
     def release() -> None:
