@@ -175,8 +175,9 @@ def autotune_ep(
             prepared[knobs.fc1_tile_n] = [fe.prepare_weights(*be.natural_weights()) for be in backends]
         return prepared[knobs.fc1_tile_n]
 
-    states: list[Any] = []  # every rank's one EP state of the run (a fresh one per candidate would grow
-    # the NVSHMEM heap: freed blocks were not reused on two H200s, and the decode bucket ran out of memory)
+    states: list[Any] = []  # every rank's one EP state of the run: with a fresh one per candidate (each
+    # freed before the next) the free GPU memory fell from candidate to candidate on two H200s until the
+    # third bucket ran out (TUNING.md)
 
     def state_for_next() -> list[Any]:
         """The run's states, allocated at the first candidate (collective), then resynchronized: every
