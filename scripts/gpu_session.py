@@ -118,8 +118,10 @@ def build_ep(cache: Path, worlds: tuple[int, ...]) -> None:
     def build_layer(geometry, world: int, ranks_per_gpu: int, knobs: dict | None, max_tokens: int) -> list[str]:
         """The kernel of every token bucket of an EP layer of this capacity (knob cache off)."""
         buckets = ep_tuning.ep_buckets(world, max_tokens)
-        per_bucket = [drop.default_bf16_ep_knobs(geometry, world, ranks_per_gpu, knobs, b.name) for b in buckets]
-        return [drop.Bf16EpFrontend(geometry, k).build(cache).name for k in dict.fromkeys(per_bucket)]
+        fronts = ep_tuning.bucket_frontends(
+            geometry, world, ranks_per_gpu, buckets, {b.name: knobs or {} for b in buckets}
+        )
+        return [fe.build(cache).name for fe in tuning.distinct(fronts.values())]
 
     # the EP layer test (loopback ranks; the EP kernel takes the global expert count)
     from tests.backends.mega.kernel.sm90.test_bf16_ep_layer_gpu import EP_CASES, EP_GEOMETRY, EP_MAX_TOKENS

@@ -56,24 +56,14 @@ def test_heap_error_states_formula_and_setting() -> None:
     assert "NVSHMEM_SYMMETRIC_SIZE=" in msg and "x [7, 64] bfloat16: 896 bytes" in msg
 
 
-def test_device_room_check_raises_on_every_rank_before_the_collective_allocation(monkeypatch) -> None:
+def test_device_room_check_raises_on_every_rank_before_the_collective_allocation(monkeypatch, gloo_group) -> None:
     """``reserve_device_room``: the free GPU memory of every rank is all-reduced (MIN) before an NVSHMEM
     allocation, so a rank without room raises a MemoryError naming the shortfall instead of failing
     inside NVSHMEM; here on a one-rank gloo group with the free-memory query stubbed."""
-    import torch.distributed as dist
-
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        group = dist.new_group([0], backend="gloo")
-        need = kh.arena_bytes(_specs()) + comm.HEAP_CHUNK
-        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (need + 1, 1 << 40))
-        comm.reserve_device_room(_specs(), torch.device("cpu"), group)  # fits
-        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (need - (300 << 20), 1 << 40))
-        with pytest.raises(MemoryError, match="lacks 300 MiB of free GPU memory"):
-            comm.reserve_device_room(_specs(), torch.device("cpu"), group)
-    finally:
-        if created:
-            dist.destroy_process_group()
+    need = kh.arena_bytes(_specs()) + comm.HEAP_CHUNK
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (need + 1, 1 << 40))
+    comm.reserve_device_room(_specs(), torch.device("cpu"), gloo_group)  # fits
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (need - (300 << 20), 1 << 40))
+    with pytest.raises(MemoryError, match="lacks 300 MiB of free GPU memory"):
+        comm.reserve_device_room(_specs(), torch.device("cpu"), gloo_group)

@@ -108,13 +108,12 @@ def test_ep_rank_state_passes_its_buffers_in_the_exported_argument_order() -> No
             assert by_name[table].tolist() == [s.host.buffers[buf].data_ptr() for s in states]
 
 
-def test_ep_rank_state_checks_every_ranks_room_before_allocating(monkeypatch) -> None:
+def test_ep_rank_state_checks_every_ranks_room_before_allocating(monkeypatch, gloo_group) -> None:
     """Over NVSHMEM an EP state first all-reduces the free GPU memory (symmetric arena + local workspace
     + one heap chunk): a rank without room raises MemoryError before the collective allocation, so
     nothing is half allocated; with room it allocates. A CPU stand-in for the NVSHMEM provider, one-rank
     gloo group, the free-memory query stubbed."""
     import torch
-    import torch.distributed as dist
 
     from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import comm
     from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import kernel_helpers as kh
@@ -129,31 +128,22 @@ def test_ep_rank_state_checks_every_ranks_room_before_allocating(monkeypatch) ->
 
     g = drop.Geometry(256, 128, 16, 4, "swiglu", None)
     fe = drop.Bf16EpFrontend(g, drop.default_bf16_ep_knobs(g, 2, 1))
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        group = dist.new_group([0], backend="gloo")
-        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (comm.HEAP_CHUNK, 1 << 40))
-        with pytest.raises(MemoryError, match="free GPU memory for the symmetric workspace"):
-            drop.EpRankState(fe, FakeNvshmem(torch.device("cpu")), 0, 32, torch.device("cpu"), group=group)
-        assert FakeNvshmem.calls == 0
-        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 40, 1 << 40))
-        state = drop.EpRankState(fe, FakeNvshmem(torch.device("cpu")), 0, 32, torch.device("cpu"), group=group)
-        assert FakeNvshmem.calls == 1
-        state.release()
-    finally:
-        if created:
-            dist.destroy_process_group()
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (comm.HEAP_CHUNK, 1 << 40))
+    with pytest.raises(MemoryError, match="free GPU memory for the symmetric workspace"):
+        drop.EpRankState(fe, FakeNvshmem(torch.device("cpu")), 0, 32, torch.device("cpu"), group=gloo_group)
+    assert FakeNvshmem.calls == 0
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 40, 1 << 40))
+    state = drop.EpRankState(fe, FakeNvshmem(torch.device("cpu")), 0, 32, torch.device("cpu"), group=gloo_group)
+    assert FakeNvshmem.calls == 1
+    state.release()
 
 
-def test_resync_states_continues_every_rank_after_the_largest_epoch() -> None:
+def test_resync_states_continues_every_rank_after_the_largest_epoch(gloo_group) -> None:
     """``resync_states`` (recovery after a failed forward, and between EP autotune candidates): every
     state of the process continues after the largest epoch any rank reached, its next reuse wait
     skipped; over a process group the epoch is all-reduced (here a one-rank gloo group)."""
     import torch
-    import torch.distributed as dist
 
     from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import comm
     from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import kernel_helpers as kh
@@ -170,14 +160,7 @@ def test_resync_states_continues_every_rank_after_the_largest_epoch() -> None:
     for s in states:
         assert s.ep_state.tolist() == ws.resync_state(9)
         assert s.ep_state[ws.STATE_NEXT_PREV] == 0  # the next forward skips the reuse wait
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        states[0].ep_state[ws.STATE_EPOCH] = 12
-        assert drop.resync_states(states[:1], dist.new_group([0], backend="gloo")) == 12
-    finally:
-        if created:
-            dist.destroy_process_group()
+    states[0].ep_state[ws.STATE_EPOCH] = 12
+    assert drop.resync_states(states[:1], gloo_group) == 12
     for s in states:
         s.release()

@@ -325,10 +325,7 @@ def resync_states(states: Sequence[EpRankState], group: Any = None) -> int:
     if group is not None:
         import torch.distributed as dist
 
-        on = states[0].device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-        epoch = torch.tensor([top], dtype=torch.int64, device=on)
-        dist.all_reduce(epoch, op=dist.ReduceOp.MAX, group=group)
-        top = int(epoch.item())
+        top = comm.all_reduce_int(top, dist.ReduceOp.MAX, group, states[0].device)
     for s in states:
         s.resync(top)
     return top

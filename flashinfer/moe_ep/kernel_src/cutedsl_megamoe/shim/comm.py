@@ -51,6 +51,17 @@ def heap_too_small_message(specs: list[Any], world_size: int, err: BaseException
 HEAP_CHUNK = 512 << 20
 
 
+def all_reduce_int(value: int, op: Any, group: Any, device: torch.device) -> int:
+    """``value`` reduced over the ranks of ``group`` with ``op`` (a ``torch.distributed.ReduceOp``):
+    through ``device`` on NCCL, through the CPU otherwise (gloo)."""
+    import torch.distributed as dist
+
+    on = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    box = torch.tensor([value], dtype=torch.int64, device=on)
+    dist.all_reduce(box, op=op, group=group)
+    return int(box.item())
+
+
 def reserve_device_room(specs: list[Any], device: torch.device, group: Any, local_bytes: int = 0) -> None:
     """Before a collective NVSHMEM allocation of ``specs``: the heap maps physical GPU memory at
     allocation time, outside torch's caching allocator, so release torch's cached blocks and check on
@@ -63,10 +74,7 @@ def reserve_device_room(specs: list[Any], device: torch.device, group: Any, loca
     need = kh.arena_bytes(specs) + HEAP_CHUNK + local_bytes  # + the heap chunk the allocation may open
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(device)
-    flag_device = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    room = torch.tensor([free - need], dtype=torch.int64, device=flag_device)
-    dist.all_reduce(room, op=dist.ReduceOp.MIN, group=group)
-    short = -int(room.item())
+    short = -all_reduce_int(free - need, dist.ReduceOp.MIN, group, device)
     if short > 0:
         raise MemoryError(
             f"a rank lacks {short / 2**20:.0f} MiB of free GPU memory for the symmetric workspace "

@@ -75,13 +75,14 @@ def release_pooled_workspace(key: Any) -> None:
     comm.WORKSPACES.release(key)
 
 
-def load_kernel(frontend: Any) -> None:
-    """Load ``frontend``'s kernel library (kernel cache, else compile); a missing kernel is the
-    backend being unavailable, with the drop's message (it names the build command)."""
+def load_kernel(frontend: Any) -> Any:
+    """Load ``frontend``'s kernel library (kernel cache, else compile) and return its function; a
+    missing kernel is the backend being unavailable, with the drop's message (it names the build
+    command)."""
     from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import KernelUnavailableError
 
     try:
-        frontend.load()
+        return frontend.load()
     except KernelUnavailableError as exc:
         raise MoEEpBackendUnavailableError(str(exc)) from None
 

@@ -103,26 +103,10 @@ class Sm90Bf16EpBackend(Sm90Bf16CutedslBackend):
             _LOOPBACK_AUTO.setdefault(id(b.loopback_group), {})[b.rank] = self
 
     def _set_profiles(self, geometry: Any, tiles: dict[str, dict[str, int]]) -> None:
-        """One frontend per bucket (equal knobs share one); ``frontend`` is the largest bucket's."""
-        from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
-
+        """One frontend per bucket (``ep_tuning.bucket_frontends``); ``frontend`` is the largest bucket's."""
         b = self.bootstrap
-        by_knobs: dict[Any, Any] = {}
-        by_bucket: dict[str, Any] = {}
-        for bucket in self.buckets:
-            knobs = drop.default_bf16_ep_knobs(
-                geometry, b.world_size, self.ranks_per_gpu, tiles[bucket.name], bucket=bucket.name
-            )
-            if knobs not in by_knobs:
-                fe = drop.Bf16EpFrontend(geometry, knobs)
-                fe.check()
-                by_knobs[knobs] = fe
-            by_bucket[bucket.name] = by_knobs[knobs]
-        layouts = {fe.knobs.fc1_tile_n for fe in by_bucket.values()}
-        if len(layouts) != 1:
-            raise ValueError(f"every token bucket needs one fc1_tile_n (the weight layout), got {sorted(layouts)}")
-        self.by_bucket = by_bucket
-        self.frontend = by_bucket[self.buckets[-1].name]
+        self.by_bucket = ep_tuning.bucket_frontends(geometry, b.world_size, self.ranks_per_gpu, self.buckets, tiles)
+        self.frontend = self.by_bucket[self.buckets[-1].name]
 
     def distinct_frontends(self) -> list[Any]:
         return tuning.distinct(self.by_bucket.values())
@@ -291,11 +275,11 @@ class Sm90Bf16EpBackend(Sm90Bf16CutedslBackend):
                 f"{self.config.kernel_name}: call warmup() on every rank before capturing a CUDA graph "
                 "(loading the kernel library inside a capture would stall the other ranks)"
             )
-        load_kernel(frontend)
+        fn = load_kernel(frontend)
         timeout_ns = int(self.bootstrap.transport_timeout_s * 1e9)
         # T = 0 still launches: the rank must publish zero counts and take part in every signal.
         return self.state.launch(
-            frontend.load(),
+            fn,
             staged.hidden_states, staged.topk_ids, staged.topk_weights, self.w13, self.w2, output, timeout_ns,
             staged.num_tokens,
         )  # fmt: skip

@@ -73,6 +73,27 @@ def bucket_plan(world_size: int, max_tokens: int) -> list[tuple[Any, int]]:
     return plan
 
 
+def bucket_frontends(
+    geometry: Any, world_size: int, ranks_per_gpu: int, buckets: Sequence[Any], tiles: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """The kernel of every bucket: bucket name -> checked ``Bf16EpFrontend`` of ``tiles[name]`` over the
+    bucket's defaults (equal knobs share one frontend). Raises ValueError on invalid knobs, or when the
+    buckets disagree on the FC1 tile (the weight layout, one per layer)."""
+    drop = _drop()
+    by_knobs: dict[Any, Any] = {}
+    out: dict[str, Any] = {}
+    for bucket in buckets:
+        knobs = drop.default_bf16_ep_knobs(geometry, world_size, ranks_per_gpu, tiles[bucket.name], bucket.name)
+        if knobs not in by_knobs:
+            by_knobs[knobs] = drop.Bf16EpFrontend(geometry, knobs)
+            by_knobs[knobs].check()
+        out[bucket.name] = by_knobs[knobs]
+    layouts = {fe.knobs.fc1_tile_n for fe in out.values()}
+    if len(layouts) != 1:
+        raise ValueError(f"every token bucket needs one fc1_tile_n (the weight layout), got {sorted(layouts)}")
+    return out
+
+
 def cached_ep_knobs(geometry: Any, context: Any, bucket: str, path: Path | None = None) -> dict[str, int | str] | None:
     """The recorded tile knobs of ``geometry`` in ``context`` and ``bucket``, or None (a miss, the cache
     off, an entry of other knobs)."""
@@ -203,8 +224,8 @@ def autotune_ep(
 
     plan = bucket_plan(b.world_size, first.fleet.max_tokens_per_rank)
     geometry, rpg = first.frontend.geometry, first.ranks_per_gpu
-    every = {first.by_bucket[bk.name].knobs for bk, _ in plan}
-    every |= {k for bk, _ in plan for k in drop.ep_candidates(geometry, b.world_size, rpg, bk.name)}
+    candidates = {bk.name: drop.ep_candidates(geometry, b.world_size, rpg, bk.name) for bk, _ in plan}
+    every = {first.by_bucket[bk.name].knobs for bk, _ in plan} | {k for ks in candidates.values() for k in ks}
     sizing = tuple(drop.Bf16EpFrontend(geometry, k) for k in sorted(every, key=repr))
     results: dict[str, Any] = {}
     pinned_fc1: int | None = None
@@ -234,12 +255,10 @@ def autotune_ep(
             incumbent = first.by_bucket[bucket.name].knobs
             if pinned_fc1 is not None:  # the weight layout is the largest bucket's
                 tiles = {**drop.ep_knob_dict(incumbent), "fc1_tile_n": pinned_fc1}
-                incumbent = drop.default_bf16_ep_knobs(
-                    first.frontend.geometry, incumbent.world_size, incumbent.ranks_per_gpu, tiles
-                )
+                incumbent = drop.default_bf16_ep_knobs(geometry, b.world_size, rpg, tiles)
             cands = [incumbent] + [
                 k
-                for k in drop.ep_candidates(first.frontend.geometry, b.world_size, incumbent.ranks_per_gpu, bucket.name)
+                for k in candidates[bucket.name]
                 if k != incumbent and (pinned_fc1 is None or k.fc1_tile_n == pinned_fc1)
             ]
             label = f"autotune {first.config.kernel_name} world {b.world_size} {bucket.name} T={tokens}/rank" + (
@@ -277,6 +296,7 @@ __all__ = [
     "LOOPBACK_SUFFIX",
     "autotune_ep",
     "bucket_of",
+    "bucket_frontends",
     "bucket_plan",
     "cached_ep_knobs",
     "describe_ep_knobs",
