@@ -29,8 +29,13 @@ TUNE_TOKENS = [256, 1024, 4096]  # one T per token bucket for `tune --max-tokens
 os.environ.setdefault("FLASHINFER_MOE_EP_KNOB_CACHE", "off")  # defaults only, the same here and there
 
 
+#: explicit knobs of the block-scaled token-bucket sweep (`bench --knobs`), built for the bench contracts
+QUANT_SWEEP_KNOBS = [{"tile_m": 16, "swap_ab": True}, {"tile_m": 32, "swap_ab": True}]
+
+
 def build_quant(cache: Path) -> None:
-    """The MXFP8 / NVFP4 kernels of their GPU test and of the benchmark contracts."""
+    """The MXFP8 / NVFP4 kernels of their GPU test and of the benchmark contracts (every token bucket,
+    and ``QUANT_SWEEP_KNOBS``)."""
     from flashinfer.moe_ep.backends.mega.kernel.sm90.block_scaled import bucket_frontends
     from flashinfer.moe_ep.core.contracts import get_contract
     from tests.backends.mega.kernel.sm90.test_quant_gpu import CONFIG_CLS, GPU_VARIANTS
@@ -39,8 +44,9 @@ def build_quant(cache: Path) -> None:
     for fmt, cls in CONFIG_CLS.items():
         for name in BENCH_CONTRACTS:
             c = get_contract(name)
-            variants.append((f"{fmt}-{name}", cls(c.hidden_size, c.intermediate_size, c.num_experts, c.top_k,
-                                                  c.activation, c.activation_limit)))  # fmt: skip
+            for knobs in (None, *QUANT_SWEEP_KNOBS):
+                variants.append((f"{fmt}-{name}", cls(c.hidden_size, c.intermediate_size, c.num_experts, c.top_k,
+                                                      c.activation, c.activation_limit, knobs)))  # fmt: skip
     for i, (name, cfg) in enumerate(variants, 1):
         t0 = time.perf_counter()
         for fe in dict.fromkeys(bucket_frontends(cfg, cfg.num_experts).values()):

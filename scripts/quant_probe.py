@@ -92,7 +92,8 @@ def run() -> None:
 
             def launch(i: int, fn=fn, pw=pw, ws=ws, gs=gs, sets=sets) -> None:
                 x, ids, w, out = sets[i % 3]
-                fn(x, ids, w, pw.w13, pw.w2, pw.w13_gscale, pw.w2_gscale, gs, out, *ws.values())
+                operands = (pw.w13, pw.w13_scale, pw.w2, pw.w2_scale, pw.w13_gscale, pw.w2_gscale)
+                fn(x, ids, w, *operands, gs, out, *ws.values())
 
             for i in range(3):
                 launch(i)

@@ -55,7 +55,11 @@ def test_renamed_helper_breaks_its_entry_and_its_importers(tmp_path: Path, capsy
     cand = _candidate(tmp_path)
     _edit(cand / "moe_bf16_glu" / "weights.py", r"\binterleave_gate_up\b", "interleave_gate_up_v2")
     problems = drop.audit_src(cand)
-    assert [p.symbol for p in problems] == ["interleave_gate_up", "pack_quantized_weights"], problems
+    assert [p.symbol for p in problems] == [
+        "interleave_gate_up",
+        "pack_quantized_weights",
+        "unpack_quantized_matrix",
+    ], problems
     assert "has no attribute 'interleave_gate_up'" in str(problems[0])
     assert "shim/kernel_helpers.py" in str(problems[0]) and "shim/bf16.py" in str(problems[0])
     assert "shim/quant.py" in str(problems[1])
@@ -63,7 +67,7 @@ def test_renamed_helper_breaks_its_entry_and_its_importers(tmp_path: Path, capsy
     before = drop.check_manifest()
     assert cli_main(["update-drop", str(cand)]) == 1
     out = capsys.readouterr().out
-    assert "2 break(s)" in out and "SRC_SYMBOLS['interleave_gate_up']" in out and "not applied" in out
+    assert "3 break(s)" in out and "SRC_SYMBOLS['interleave_gate_up']" in out and "not applied" in out
     assert drop.check_manifest() == before
 
 

@@ -30,7 +30,8 @@ BF16_KERNEL_CALL = (
 )  # fmt: skip
 
 QUANT_KERNEL_CALL = (
-    "x", "topk_ids", "topk_weights", "w13", "w2", "w13_gscale", "w2_gscale", "act_gscale", "out",
+    "x", "topk_ids", "topk_weights", "w13", "w13_scale", "w2", "w2_scale", "w13_gscale", "w2_gscale", "act_gscale",
+    "out",
     "pair_row", "pair_rank", "expert_count", "cta_base", "expert_off", "m_block_expert", "meta", "a_buf", "h_buf",
     "stream",
 )  # fmt: skip
@@ -40,6 +41,7 @@ SRC_SYMBOLS: dict[str, SrcSymbol] = {
     "constants": SrcSymbol("common.constants", "", False, ("shim/bf16.py",)),
     "BufferSpec": SrcSymbol("common.host_utils", "BufferSpec", False, ("shim/frontend.py",)),
     "moe_bf16_workspace_spec": SrcSymbol("common.host_utils", "moe_bf16_workspace_spec", False, ("shim/bf16.py",)),
+    "swap_tile_plan": SrcSymbol("common.host_utils", "swap_tile_plan", False, ("shim/quant.py",)),
     "interleave_gate_up": SrcSymbol("moe_bf16_glu.weights", "interleave_gate_up", False, ("shim/bf16.py",)),
     "deinterleave_gate_up": SrcSymbol("moe_bf16_glu.weights", "deinterleave_gate_up", False, ("tests",)),
     # symmetric buffers (torch only; nvshmem4py imported inside the NVSHMEM provider)
@@ -73,6 +75,7 @@ SRC_SYMBOLS: dict[str, SrcSymbol] = {
     "export_moe_bf16": SrcSymbol("moe_bf16_glu.export", "export_moe_bf16", True, ("shim/bf16.py",)),
     # block-scaled kernels (MXFP8, NVFP4)
     "pack_quantized_weights": SrcSymbol("moe_quant_glu.weights", "pack_quantized_weights", False, ("shim/quant.py",)),
+    "unpack_quantized_matrix": SrcSymbol("moe_quant_glu.weights", "unpack_quantized_matrix", False, ("tests",)),
     "Sm90MegaMoEQuantKernel": SrcSymbol(
         "moe_quant_glu.kernel",
         "Sm90MegaMoEQuantKernel",
@@ -88,6 +91,7 @@ SRC_SYMBOLS: dict[str, SrcSymbol] = {
             "num_sms",
             "fc1_stages",
             "fc2_stages",
+            "swap_ab",
         ),
         call_params=QUANT_KERNEL_CALL,
     ),

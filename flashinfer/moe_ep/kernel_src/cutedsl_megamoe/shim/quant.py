@@ -3,8 +3,9 @@ shared frontend core. ``mxfp8.py`` and ``nvfp4.py`` only name their format.
 
 Weights arrive in the layout of ``flashinfer.moe_ep.core.reference_quant.QuantizedExpertWeights``
 (data [E, rows, K] or packed [E, rows, K/2], block scales [E, rows, K/block], NVFP4 global scales [E])
-and are packed once by :meth:`QuantFrontend.prepare_weights` (gate/up interleave + one TMA-friendly
-row per K tile, see the drop's ``moe_quant_glu.weights``).
+and are packed once by :meth:`QuantFrontend.prepare_weights` (gate/up interleave, then per K tile
+the rows' data and scale bytes as two TMA-friendly runs, see the drop's ``moe_quant_glu.weights``).
+The token buckets of a layer share that layout; ``swap_ab`` (the decode GEMMs) reads it too.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from .frontend import Geometry, KernelFrontend, check_glu_geometry
 
 @dataclass(frozen=True)
 class QuantKnobs:
-    """Compile-time knobs of the quantized kernel (all output-neutral)."""
+    """Compile-time knobs of the quantized kernel (all output-neutral). ``swap_ab``: the decode GEMMs
+    (weights dequantized in registers, tokens as WGMMA N); ``tile_m`` is then the token tile."""
 
     tile_m: int = 128
     fc1_tile_n: int = 256
@@ -30,6 +32,7 @@ class QuantKnobs:
     fc1_stages: int | None = None
     fc2_stages: int | None = None
     num_sms: int = 132
+    swap_ab: bool = False
 
 
 def default_quant_knobs(geometry: Geometry) -> QuantKnobs:
@@ -40,10 +43,13 @@ def default_quant_knobs(geometry: Geometry) -> QuantKnobs:
 
 @dataclass
 class PackedQuantWeights:
-    """The kernel's weight operands: packed matrices and fp32 global scales (ones for MXFP8)."""
+    """The kernel's weight operands: packed data and scale bytes of both matrices, fp32 global scales
+    (ones for MXFP8)."""
 
     w13: torch.Tensor
+    w13_scale: torch.Tensor
     w2: torch.Tensor
+    w2_scale: torch.Tensor
     w13_gscale: torch.Tensor
     w2_gscale: torch.Tensor
 
@@ -61,7 +67,16 @@ class QuantFrontend(KernelFrontend):
     def check(self) -> None:
         k = self.knobs
         check_glu_geometry(self.geometry, k.fc1_tile_n, k.fc2_tile_n, self.geometry.num_experts, self.fmt)
-        if k.tile_m not in (64, 128):
+        if k.swap_ab:
+            tiles = kh.constants.SWAP_TOKEN_TILES
+            if k.tile_m not in tiles:
+                raise ValueError(f"with swap_ab, tile_m must be one of {tiles} for {self.fmt}, got {k.tile_m}")
+            if self.gated and k.fc1_tile_n != 256:
+                raise ValueError(f"swap_ab needs gate/up rows interleaved per 256 (fc1_tile_n=256), got {k.fc1_tile_n}")
+            g = self.geometry
+            kh.swap_tile_plan(2 * g.intermediate if self.gated else g.intermediate, self.gated)
+            kh.swap_tile_plan(g.hidden, False)
+        elif k.tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128 for the {self.fmt} kernel, got {k.tile_m}")
         for n in (k.fc1_tile_n, k.fc2_tile_n):
             if n not in (64, 128, 256):
@@ -79,6 +94,7 @@ class QuantFrontend(KernelFrontend):
             num_sms=k.num_sms,
             fc1_stages=k.fc1_stages,
             fc2_stages=k.fc2_stages,
+            swap_ab=k.swap_ab,
         )
         return kh.export_moe_quant(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)
 
@@ -106,7 +122,7 @@ class QuantFrontend(KernelFrontend):
                 return torch.ones(e, dtype=torch.float32, device=w13.device)
             return g.to(torch.float32).contiguous()
 
-        return PackedQuantWeights(p13, p2, gscale(w13_global_scale), gscale(w2_global_scale))
+        return PackedQuantWeights(*p13, *p2, gscale(w13_global_scale), gscale(w2_global_scale))
 
     def launch(
         self,
@@ -126,7 +142,9 @@ class QuantFrontend(KernelFrontend):
             topk_ids,
             topk_weights,
             weights.w13,
+            weights.w13_scale,
             weights.w2,
+            weights.w2_scale,
             weights.w13_gscale,
             weights.w2_gscale,
             act_gscale,

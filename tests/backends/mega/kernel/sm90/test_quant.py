@@ -10,7 +10,13 @@ import pytest
 import torch
 
 import flashinfer.moe_ep as moe
-from flashinfer.moe_ep.backends.mega.kernel.sm90.block_scaled import DECODE_MAX_TOKENS, FRONTENDS, bucket_frontends
+from flashinfer.moe_ep.backends.mega.kernel.sm90.block_scaled import (
+    BUCKETS,
+    DECODE_MAX_TOKENS,
+    FRONTENDS,
+    bucket_frontends,
+    token_bucket,
+)
 from flashinfer.moe_ep.cli import main as cli_main
 from flashinfer.moe_ep.core.contracts import CONTRACTS
 from flashinfer.moe_ep.core.inputs import make_expert_weights
@@ -28,17 +34,17 @@ CONFIG = {
 }
 
 
-def _emulate_kernel_dequant(packed: torch.Tensor, fmt: str) -> torch.Tensor:
-    """What the kernel's conversion produces from a packed matrix [E, K/64, N, row]: element x block
-    multiplier x 2**-112 (the bit move), as [E, N, K] fp32 (without NVFP4 global scales)."""
-    e, kt, n, _ = packed.shape
-    d = kh.constants.QUANT_DATA_BYTES[fmt]
-    spt = 64 // kh.constants.QUANT_BLOCK[fmt]
-    data = packed[..., :d].contiguous()
-    vals = data.view(torch.float8_e4m3fn).float() if fmt == "mxfp8" else unpack_e2m1(data)
-    mult = packed[..., d : d + 2 * spt].contiguous().view(torch.bfloat16).float()
-    out = vals.reshape(e, kt, n, spt, 64 // spt) * mult[..., None] * 2.0**-112
-    return out.reshape(e, kt, n, 64).transpose(1, 2).reshape(e, n, kt * 64)
+def _dequantize_packed(data: torch.Tensor, scales: torch.Tensor, fmt: str) -> torch.Tensor:
+    """A packed matrix (data [E, K/64, N, D], scales [E, K/64, N, S]) back to [E, N, K] fp32 values
+    times block scales (without NVFP4 global scales), through the drop's inverse of the packing."""
+    raw, sc = kh.unpack_quantized_matrix(data, scales, fmt)
+    e, n, _ = raw.shape
+    if fmt == "mxfp8":
+        vals, scale = raw.view(torch.float8_e4m3fn).float(), torch.exp2(sc.float() - 127)
+    else:
+        vals, scale = unpack_e2m1(raw), sc.view(torch.float8_e4m3fn).float()
+    block = kh.constants.QUANT_BLOCK[fmt]
+    return (vals.reshape(e, n, -1, block) * scale[..., None]).reshape(e, n, -1)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -51,12 +57,14 @@ def test_packed_layout_dequantizes_exactly(fmt: str, activation: str) -> None:
         g, drop.QuantKnobs(fc1_tile_n=128 if activation == "swiglu" else 64, fc2_tile_n=128)
     )
     pw = fe.prepare_weights(q.w13, q.w13_scale, q.w2, q.w2_scale, q.w13_global_scale, q.w2_global_scale)
-    assert pw.w13.dtype == torch.uint8 and pw.w13.shape[-1] == kh.constants.QUANT_ROW_BYTES[fmt]
+    c = kh.constants
+    assert pw.w13.dtype == torch.uint8 and pw.w13.shape[-1] == c.QUANT_DATA_BYTES[fmt]
+    assert pw.w13_scale.shape[-1] == c.QUANT_SCALES_PER_TILE[fmt]
     ref13, ref2 = q.dequantize()
-    got13 = _emulate_kernel_dequant(pw.w13, fmt)
+    got13 = _dequantize_packed(pw.w13, pw.w13_scale, fmt)
     if activation == "swiglu":
         got13 = kh.deinterleave_gate_up(got13, fe.knobs.fc1_tile_n)
-    got2 = _emulate_kernel_dequant(pw.w2, fmt)
+    got2 = _dequantize_packed(pw.w2, pw.w2_scale, fmt)
     if fmt == "nvfp4":  # the kernel applies the global scale to the fp32 accumulator: compare without it
         ref13 = ref13 / q.w13_global_scale[:, None, None]
         ref2 = ref2 / q.w2_global_scale[:, None, None]
@@ -66,6 +74,42 @@ def test_packed_layout_dequantizes_exactly(fmt: str, activation: str) -> None:
     else:
         assert torch.equal(got13, ref13) and torch.equal(got2, ref2)
         assert torch.equal(pw.w13_gscale, torch.ones(3))
+
+
+#: what 32-bit word q of a data segment holds, as the kernels read it: the K positions (relative to the
+#: segment) of its bytes. MXFP8: the pairs (2q, 2q+1) and (2q+8, 2q+9) of a K16 block (one lane's A
+#: fragment); NVFP4: bytes q, q+4, q+8, q+12 = element pairs 2q + 8j of two K16 blocks.
+FRAGMENT_WORD = {
+    "mxfp8": lambda q: [2 * q, 2 * q + 1, 2 * q + 8, 2 * q + 9],
+    "nvfp4": lambda q: [2 * (q + 4 * j) for j in range(4)],  # first element of each byte
+}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_segment_words_hold_fragment_elements_and_slots_are_swizzled(fmt: str) -> None:
+    """The layout contract the kernels rely on, written out independently of the packing code: every
+    byte's K position, and the slot of segment s of row r (``s ^ (r // (128 / D)) % (D / 16)``), so
+    that 8 consecutive rows cover 8 different 16-byte bank groups."""
+    c = kh.constants
+    d, e, n, k = c.QUANT_DATA_BYTES[fmt], 1, 16, 128
+    per_byte = 1 if fmt == "mxfp8" else 2
+    pos = torch.arange(k // per_byte, dtype=torch.int64)  # byte b holds K position b * per_byte
+    data = (pos % 256).to(torch.uint8).expand(e, n, -1).contiguous()
+    scale = torch.zeros(e, n, k // c.QUANT_BLOCK[fmt], dtype=torch.uint8)
+    packed, _ = kh.pack_quantized_weights(data, scale, data, scale, fmt, 64, False)[0]
+    segs = d // 16
+    for row in range(n):
+        swz = (row // (128 // d)) % segs
+        for t in range(k // 64):
+            for s in range(segs):
+                seg = packed[0, t, row, 16 * (s ^ swz) : 16 * (s ^ swz) + 16]
+                for q in range(4):
+                    got = [int(b) * per_byte for b in seg[4 * q : 4 * q + 4]]
+                    want = [(64 * t + 16 * per_byte * s + x) % (256 * per_byte) for x in FRAGMENT_WORD[fmt](q)]
+                    assert got == want, (row, t, s, q)
+        if row % 8 == 7:  # rows row-7..row: segment 0 lands in 8 distinct bank groups of 16 bytes
+            groups = {((r * d + 16 * (0 ^ (r // (128 // d)) % segs)) // 16) % 8 for r in range(row - 7, row + 1)}
+            assert len(groups) == 8
 
 
 def test_mxfp8_scales_beyond_bf16_multiplier_are_rejected() -> None:
@@ -93,14 +137,32 @@ def test_config_validation() -> None:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_buckets_share_the_weight_layout_and_differ_in_tile_m(fmt: str) -> None:
+def test_buckets_share_the_weight_layout(fmt: str) -> None:
     fes = bucket_frontends(CONFIG[fmt](256, 128, 8, 2), 8)
-    assert fes["decode"].knobs.tile_m == 64 and fes["prefill"].knobs.tile_m == 128
-    assert fes["decode"].knobs.fc1_tile_n == fes["prefill"].knobs.fc1_tile_n
-    assert fes["decode"].key.digest() != fes["prefill"].key.digest()
+    assert list(fes) == [name for name, _, _ in BUCKETS[fmt]]
+    names = [name for name, _, _ in BUCKETS[fmt]]
+    for i, (name, top, overrides) in enumerate(BUCKETS[fmt]):
+        k = fes[name].knobs
+        assert k.swap_ab == bool(overrides.get("swap_ab")) and k.tile_m == overrides.get("tile_m", 128)
+        assert k.fc1_tile_n == fes["prefill"].knobs.fc1_tile_n  # one packed layout
+        if top is not None:  # the bucket ends at its top T and the next one starts there
+            assert [token_bucket(t, fmt) for t in (top, top + 1)] == [name, names[i + 1]]
+    assert len({fe.key.digest() for fe in fes.values()}) == len(fes)
+    assert token_bucket(1, fmt).startswith("swap") and token_bucket(DECODE_MAX_TOKENS + 1, fmt) == "prefill"
     explicit = bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 128}), 8)
-    assert explicit["decode"] is explicit["prefill"]
-    assert DECODE_MAX_TOKENS == 1024
+    assert len({id(fe) for fe in explicit.values()}) == 1
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_swap_bucket_falls_back_where_the_swap_kernel_does_not_fit(fmt: str) -> None:
+    """I = 192: 2I = 384 rows are not interleaved per 256 (fc1_tile_n 128), so the swap-AB GEMMs
+    cannot serve FC1 and the swap bucket uses the decode frontend; an explicit request is refused."""
+    fes = bucket_frontends(CONFIG[fmt](256, 192, 8, 2), 8)
+    assert all(fes[name] is fes["decode"] for name in fes if name.startswith("swap"))
+    with pytest.raises(MoEEpConfigError, match="interleaved per 256"):
+        bucket_frontends(CONFIG[fmt](256, 192, 8, 2, knobs={"tile_m": 16, "swap_ab": True}), 8)
+    with pytest.raises(MoEEpConfigError, match="with swap_ab, tile_m must be one of"):
+        bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 64, "swap_ab": True}), 8)
 
 
 def test_format_is_part_of_the_cache_key() -> None:
@@ -133,7 +195,13 @@ def test_build_every_default_variant_for_sm90a(fmt: str, tmp_path: Path, capsys)
     out = capsys.readouterr().out
     keys = kernel_cache.entries(tmp_path)
     assert f"build: {len(keys)} kernel(s)" in out
-    assert len(keys) == 2 * len(CONTRACTS)  # decode and prefill of every contract
+    want = {fe.key.digest() for c in CONTRACTS.values() for fe in bucket_frontends(
+        CONFIG[fmt](c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit),
+        c.num_experts).values()}  # fmt: skip
+    # every bucket of every contract; gpt-oss-120b (H = 2880) and nemotron-relu2 (I = 1856) are not
+    # multiples of 128, so their swap buckets are their decode kernel
+    swaps = sum(1 for name, _, o in BUCKETS[fmt] if o.get("swap_ab"))
+    assert len(keys) == len(want) == len(BUCKETS[fmt]) * len(CONTRACTS) - 2 * swaps
     for name, c in CONTRACTS.items():
         cfg = CONFIG[fmt](c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit)
         for fe in bucket_frontends(cfg, c.num_experts).values():

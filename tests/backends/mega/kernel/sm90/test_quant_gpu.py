@@ -48,7 +48,7 @@ ACTIVATIONS = [
     ("relu2", None),
 ]
 FORMATS = ("mxfp8", "nvfp4")
-TOKENS = (1, 7, 128, 1000, 2000)  # up to 1024 the decode bucket (64-row tiles), then prefill
+TOKENS = (1, 7, 128, 300, 1000, 2000)  # swap-AB to 512 (16 and 32-token tiles), 64-row tiles to 1024, then 128
 ROUTINGS = ("uniform", "skewed", "empty")
 CONFIG_CLS = {
     "mxfp8": moe.Sm90_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig,
@@ -75,6 +75,11 @@ GPU_VARIANTS = [
     # decode tiles: 64 MMA rows, the second consumer warpgroup converting only
     (f"{fmt}-small-swiglu-m64", fmt, {**SMALL, "activation": "swiglu", "activation_limit": None,
                                       "knobs": {"tile_m": 64, "fc1_tile_n": 128, "fc2_tile_n": 128}})
+    for fmt in FORMATS
+] + [
+    # the swap-AB GEMMs at every T, with the token tile the format's swap bucket does not use
+    (f"{fmt}-small-swiglu-swap", fmt, {**SMALL, "activation": "swiglu", "activation_limit": None,
+                                       "knobs": {"tile_m": 16 if fmt == "mxfp8" else 32, "swap_ab": True}})
     for fmt in FORMATS
 ]  # fmt: skip
 
@@ -167,10 +172,11 @@ def test_zero_tokens(fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_cuda_graph_replay_equals_eager(fmt: str) -> None:
+@pytest.mark.parametrize("t", [100, 800])  # the swap-AB and the 64-row bucket
+def test_cuda_graph_replay_equals_eager(fmt: str, t: int) -> None:
     layer, cfg, _, _ = _layer(f"{fmt}-qwen3-30b-a3b")
-    static = _inputs(cfg, 300, "uniform", seed=5)
-    out = torch.empty(300, cfg.hidden_size, dtype=torch.bfloat16, device="cuda")
+    static = _inputs(cfg, t, "uniform", seed=5)
+    out = torch.empty(t, cfg.hidden_size, dtype=torch.bfloat16, device="cuda")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -180,7 +186,7 @@ def test_cuda_graph_replay_equals_eager(fmt: str) -> None:
     with torch.cuda.graph(graph):
         layer.forward(static, output=out)
     for seed in (6, 7):
-        fresh = _inputs(cfg, 300, "skewed", seed=seed)
+        fresh = _inputs(cfg, t, "skewed", seed=seed)
         static.hidden_states.copy_(fresh.hidden_states)
         static.topk_ids.copy_(fresh.topk_ids)
         static.topk_weights.copy_(fresh.topk_weights)
@@ -199,7 +205,7 @@ def test_layers_of_one_geometry_share_one_workspace(fmt: str) -> None:
         moe.MoEWeightPack(q.w13, q.w2, q.w13_scale, q.w2_scale, q.w13_global_scale, q.w2_global_scale),
         backend=moe.MegaConfig(cfg),
     )
-    for bucket in ("decode", "prefill"):
+    for bucket in layer._backend.workspace:
         mine, theirs = layer._backend.workspace[bucket], other._backend.workspace[bucket]
         assert all(mine[k].data_ptr() == theirs[k].data_ptr() for k in mine), bucket
     other.destroy()  # releases its reference only: the first layer keeps working

@@ -27,17 +27,19 @@ from .runtime import (
     warmup_forward,
 )
 
-_KNOB_FIELDS = ("tile_m", "fc1_tile_n", "fc2_tile_n", "fc1_stages", "fc2_stages", "num_sms")
+_KNOB_FIELDS = ("tile_m", "fc1_tile_n", "fc2_tile_n", "fc1_stages", "fc2_stages", "num_sms", "swap_ab")
 
 
 @dataclass(frozen=True)
 class Sm90BlockScaledConfig(MegaKernelConfig):
     """Base of the SM90 block-scaled configs.
 
-    ``knobs``: ``None`` (defaults: the widest N tiles; per token bucket, 64-row M tiles for
-    T <= ``DECODE_MAX_TOKENS`` (1024) and 128-row ones above, measured on the H200, TUNING.md) or a
-    mapping of compile-time knobs for every T (``tile_m`` 64/128, ``fc1_tile_n``, ``fc2_tile_n``, ``fc1_stages``,
-    ``fc2_stages``, ``num_sms``). Hidden and intermediate sizes must be multiples of 64. World size 1.
+    ``knobs``: ``None`` (defaults: the widest N tiles; per token bucket, measured on the H200,
+    TUNING.md, ``BUCKETS``: the swap-AB GEMMs up to T = 512 (16 or 32-token tiles), 64-row M tiles up
+    to ``DECODE_MAX_TOKENS`` (1024), 128-row ones above)
+    or a mapping of compile-time knobs for every T (``tile_m`` 64/128, or 16/32 with ``swap_ab``;
+    ``fc1_tile_n``, ``fc2_tile_n``, ``fc1_stages``, ``fc2_stages``, ``num_sms``). Hidden and
+    intermediate sizes must be multiples of 64. World size 1.
     """
 
     def __post_init__(self) -> None:
@@ -90,8 +92,8 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
                 f"{self.config.kernel_name} runs at world_size 1 only for now (the expert-parallel protocol "
                 "exists for BF16); use the reference backend for quantized EP"
             )
-        # One frontend per token bucket (same weight layout: only tile_m differs), chosen per forward
-        # from the host-side T; one workspace serves both.
+        # One frontend per token bucket (one weight layout: the tiles differ, not the packing), chosen
+        # per forward from the host-side T; one workspace serves all of them.
         self.frontends = bucket_frontends(self.config, self.num_local_experts)
         self.frontend = self.frontends[PREFILL]  # the weight layout
         self.weights: Any = None
@@ -134,7 +136,7 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
         t = staged.hidden_states.shape[0]
         if t == 0:
             return output
-        bucket = DECODE if t <= DECODE_MAX_TOKENS else PREFILL  # a host-side shape: no device sync
+        bucket = token_bucket(t, self.fmt)  # a host-side shape: no device sync
         frontend = self.frontends[bucket]
         load_kernel(frontend)
         assert self.act_gscale is not None
@@ -155,14 +157,37 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
         self.workspace = {}
 
 
+#: Token buckets per weight format, in order: (name, largest T, knobs over the defaults). Measured on
+#: the H200 (TUNING.md, session 6 runs 1-2, qwen3-30b-a3b and deepseek-v3, T = 16 to 1024):
+#: - ``swap16`` / ``swap32``: the swap-AB GEMMs (weights dequantized in registers) with 16 / 32-token
+#:   tiles. They beat 64-row tiles at every T <= 512 but one (MXFP8 qwen3-30b-a3b T = 512: 7 % slower;
+#:   deepseek-v3 there 29 % faster). MXFP8: 32-token tiles as fast as 16 up to T = 128, up to 27 %
+#:   faster above. NVFP4: 16-token tiles 11-13 % faster at T = 128, 32 faster from 512 (mixed at 256).
+#: - ``decode``: 64-row tiles (half the activation bytes of 128 per K tile; the second consumer
+#:   warpgroup still converts); they beat swap-AB at T = 1024 and 128-row tiles at every T from 128 to
+#:   1024 (session 3 run 10), losing to them on the qwen3 contracts at 2048.
+#: - ``prefill``: 128-row tiles.
+BUCKETS = {
+    "mxfp8": (
+        ("swap32", 512, {"tile_m": 32, "swap_ab": True}),
+        ("decode", 1024, {"tile_m": 64}),
+        ("prefill", None, {}),
+    ),
+    "nvfp4": (
+        ("swap16", 128, {"tile_m": 16, "swap_ab": True}),
+        ("swap32", 512, {"tile_m": 32, "swap_ab": True}),
+        ("decode", 1024, {"tile_m": 64}),
+        ("prefill", None, {}),
+    ),
+}
 DECODE, PREFILL = "decode", "prefill"
-#: Largest T of the decode bucket. Measured on the H200 (TUNING.md, session 3 run 10): 64-row tiles beat
-#: 128-row ones at every T from 128 to 1024 for both formats on all three bench contracts (128-row tiles
-#: take 4-60 % longer) and lose on the qwen3 contracts at 2048.
+#: Largest T of the 64-row bucket.
 DECODE_MAX_TOKENS = 1024
-#: knobs of the decode bucket over the defaults: 64 MMA rows (half the activation bytes per K tile;
-#: the second consumer warpgroup still converts). Measured: deepseek-v3 T=128 MXFP8 5.54 vs 5.94 ms.
-DECODE_OVERRIDES = {"tile_m": 64}
+
+
+def token_bucket(t: int, fmt: str) -> str:
+    """The bucket serving ``t`` tokens (a host-side shape: no device sync)."""
+    return next(name for name, top, _ in BUCKETS[fmt] if top is None or t <= top)
 
 
 #: the drop frontend of each weight format
@@ -170,12 +195,22 @@ FRONTENDS = {"mxfp8": "Mxfp8Frontend", "nvfp4": "Nvfp4Frontend"}
 
 
 def bucket_frontends(config: Sm90BlockScaledConfig, num_local_experts: int) -> dict[str, Any]:
-    """``{"decode": ..., "prefill": ...}``: explicit knobs serve every T with one frontend."""
-    prefill = make_frontend(config, num_local_experts)
+    """One frontend per bucket of ``BUCKETS[format]``; explicit knobs serve every T with one frontend.
+    Where the swap-AB GEMMs cannot serve the geometry (``QuantFrontend.check``: sizes not multiples of
+    128, gate/up not interleaved per 256), the decode frontend serves the swap buckets too."""
+    buckets = BUCKETS[config.weight_format]
     if config.knobs:
-        return {DECODE: prefill, PREFILL: prefill}
-    decode = make_frontend(config, num_local_experts, DECODE_OVERRIDES)
-    return {DECODE: decode, PREFILL: prefill}
+        one = make_frontend(config, num_local_experts)
+        return {name: one for name, _, _ in buckets}
+    fronts: dict[str, Any] = {}
+    for name, _, overrides in reversed(buckets):  # decode before the swap buckets that fall back to it
+        try:
+            fronts[name] = make_frontend(config, num_local_experts, overrides or None)
+        except MoEEpConfigError:
+            if not overrides.get("swap_ab"):
+                raise
+            fronts[name] = fronts[DECODE]
+    return {name: fronts[name] for name, _, _ in buckets}
 
 
 def make_frontend(config: Sm90BlockScaledConfig, num_local_experts: int, overrides: dict | None = None) -> Any:
@@ -196,6 +231,7 @@ def make_frontend(config: Sm90BlockScaledConfig, num_local_experts: int, overrid
 
 
 __all__ = [
+    "BUCKETS",
     "DECODE_MAX_TOKENS",
     "FRONTENDS",
     "Sm90BlockScaledBackend",
@@ -203,4 +239,5 @@ __all__ = [
     "Sm90Nvfp4ConfigFields",
     "bucket_frontends",
     "make_frontend",
+    "token_bucket",
 ]

@@ -30,7 +30,12 @@ FMT_MXFP8 = "mxfp8"  # E4M3 elements, UE8M0 scale per 32
 FMT_NVFP4 = "nvfp4"  # E2M1 elements (2 per byte), E4M3 scale per 16, fp32 global scale per tensor
 QUANT_FORMATS = (FMT_MXFP8, FMT_NVFP4)
 QUANT_BLOCK = {FMT_MXFP8: 32, FMT_NVFP4: 16}
-# Bytes of one packed weight row per K tile (TILE_K elements): the data, its scales, zero padding
-# to a multiple of 16 (one TMA box carries a tile's data and scales).
+# Packed weights (``moe_quant_glu.weights``): per (expert, K tile of TILE_K, row) the row's data bytes
+# and, in a separate tensor, its raw block-scale bytes. Data rows are split into 16-byte segments
+# whose bytes are reordered so one 32-bit word holds what one lane of a WGMMA fragment needs, and
+# whose slots are XOR-swizzled by row so 8 consecutive rows hit 8 different bank groups.
 QUANT_DATA_BYTES = {FMT_MXFP8: TILE_K, FMT_NVFP4: TILE_K // 2}
-QUANT_ROW_BYTES = {FMT_MXFP8: 80, FMT_NVFP4: 48}
+QUANT_SCALES_PER_TILE = {FMT_MXFP8: TILE_K // 32, FMT_NVFP4: TILE_K // 16}
+QUANT_SEGMENT_BYTES = 16
+# Token tiles (WGMMA N) of the swap-AB decode kernel (``moe_quant_glu.swap_gemm``).
+SWAP_TOKEN_TILES = (16, 32)

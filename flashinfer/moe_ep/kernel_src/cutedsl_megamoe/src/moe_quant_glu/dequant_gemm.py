@@ -3,8 +3,9 @@ multiply with BF16 WGMMA. Same scheduling, producer and epilogue as ``moe_bf16_g
 
 Pipeline per K tile (64):
 
-- producer warp: one TMA box of A (bf16, ``tile_m x 64``) and one of the packed weight rows
-  (``tile_n x row_bytes``: data + block multipliers, see ``weights``) into stage ``s`` of the ring;
+- producer warp: one TMA box of A (bf16, ``tile_m x 64``), one of the packed weight data
+  (``tile_n x D`` bytes) and one of their raw block scales (``tile_n x S`` bytes, see ``weights``)
+  into stage ``s`` of the ring;
 - consumer warpgroups (two, whatever rows they own; with ``tile_m=64`` the second only converts):
   convert the packed rows of stage ``s`` into a BF16 tile in the 128B-swizzled K-major layout WGMMA
   reads, in one of three BF16 buffers; ``fence.proxy.async`` + named barrier, then the WGMMA.
@@ -17,9 +18,10 @@ Measured (TUNING.md): three buffers are 22 % faster at decode (tile_m 64) and 6 
 the third buffer costs a ring stage; separate A and weight rings fed by two producer warps were slower.
 
 Epilogue: NVFP4 multiplies the fp32 accumulator by ``act_gscale[i] * w_gscale[expert]`` (the global
-scales left out of the BF16 operands); then the activation (FC1) and, with ``requant``, the
-quantize-dequantize of the output along N in blocks of the format (amax over a row's block: 8 or 4
-values per thread, a quad of lanes holds the row), stored as exact BF16.
+scales left out of the BF16 operands) and ``NVFP4_ACC_SCALE`` (left out by the E2M1 conversion); then
+the activation (FC1) and, with ``requant``, the quantize-dequantize of the output along N in blocks of
+the format (amax over a row's block: 8 or 4 values per thread, a quad of lanes holds the row), stored
+as exact BF16.
 """
 
 import cutlass
@@ -32,7 +34,21 @@ from ..common import constants
 from ..moe_bf16_glu.grouped_gemm import GroupedGemmSm90
 from ..src import block_quant as bq
 
-RAW_BOX = 256  # bytes per TMA box row of the packed weights
+RAW_BOX = 256  # bytes per TMA box row of the packed weights (the widest box dimension)
+
+
+def packed_view(w: cute.Tensor, inner: int) -> cute.Tensor:
+    """torch [E, K/64, N, B] uint8 (contiguous) -> cute (inner, N*B/inner, K/64, E): each (expert, K
+    tile) is one run of ``inner``-byte rows, moved by TMA as such rather than as B-byte rows."""
+    e, kt, n, b = w.shape
+    run = n * b
+    layout = cute.make_layout((inner, run // inner, kt, e), stride=(1, inner, run, kt * run))
+    return cute.make_tensor(w.iterator, layout)
+
+
+def box_inner(rows: int, row_bytes: int) -> int:
+    """The inner TMA box extent for ``rows`` packed rows of ``row_bytes``: 256 bytes, or the whole run."""
+    return min(RAW_BOX, rows * row_bytes)
 
 
 class DequantGroupedGemmSm90(GroupedGemmSm90):
@@ -58,9 +74,9 @@ class DequantGroupedGemmSm90(GroupedGemmSm90):
         self.fmt = fmt
         self.requant = requant
         self.gscale_index = gscale_index
-        self.row_bytes = constants.QUANT_ROW_BYTES[fmt]
         self.data_bytes = constants.QUANT_DATA_BYTES[fmt]
-        self.chunks_per_row = self.tile_k // 8  # 16-byte BF16 chunks of a converted row
+        self.scales_per_tile = constants.QUANT_SCALES_PER_TILE[fmt]
+        self.segs = self.data_bytes // constants.QUANT_SEGMENT_BYTES  # data segments per row
         # Two consumer warpgroups convert whatever tile_m is: with tile_m=64 the second one only
         # converts (no MMA rows), so a decode tile loads 64 rows of A, not 128, and still has 256
         # threads dequantizing.
@@ -68,8 +84,12 @@ class DequantGroupedGemmSm90(GroupedGemmSm90):
         self.num_conv_threads = self.num_conv_wg * self.threads_per_wg
         self.num_threads = (1 + self.num_conv_wg) * self.threads_per_wg
         self.consumer_regs = 232
-        if (tile_n * self.chunks_per_row) % self.num_conv_threads:
-            raise ValueError("tile_n * 8 must be a multiple of the converting thread count")
+        # Conversion work: one 16-byte data segment per thread and step (16 MXFP8 / 32 NVFP4 weights).
+        # Fewer segments than threads (NVFP4, tile_n 64): two threads convert each, writing equal values.
+        self.conv_units = tile_n * self.segs
+        if self.conv_units % self.num_conv_threads and self.num_conv_threads % self.conv_units:
+            raise ValueError(f"tile_n={tile_n}: {self.conv_units} segments do not split over the converting threads")
+        self.conv_steps = max(1, self.conv_units // self.num_conv_threads)
         self.conv_barrier = pipeline.NamedBarrier(barrier_id=2, num_threads=self.num_conv_threads)
         # Profiling only (wrong results): bit 0 skips the conversion, bit 1 the per-K-tile barriers.
         self.probe = probe
@@ -80,7 +100,7 @@ class DequantGroupedGemmSm90(GroupedGemmSm90):
             raise ValueError(f"bf_buffers must be 2 or 3, got {bf_buffers}")
         self.bf_buffers = bf_buffers
 
-    def _setup(self, a: cute.Tensor, b_raw: cute.Tensor, c: cute.Tensor) -> None:
+    def _setup(self, a: cute.Tensor, c: cute.Tensor) -> None:
         self.ab_dtype = a.element_type
         self.c_dtype = c.element_type
         self.a_layout = cutlass.utils.LayoutEnum.from_tensor(a)
@@ -110,7 +130,9 @@ class DequantGroupedGemmSm90(GroupedGemmSm90):
         self.epi_tile = (min(self.tile_m, 128) if self.num_mma_wg > 1 else 64, 32)
 
         a_bytes = self.tile_m * self.tile_k * 2
-        raw_bytes = self.tile_n * self.row_bytes
+        data_bytes = self.tile_n * self.data_bytes
+        scale_bytes = self.tile_n * self.scales_per_tile
+        raw_bytes = data_bytes + scale_bytes
         bf_bytes = self.bf_buffers * self.tile_n * self.tile_k * 2  # the converted BF16 buffers
         epi_bytes = self.epi_tile[0] * self.epi_tile[1] * 2 * self.epi_stages + 1024 * 4 + 256
         if self.ab_stages_override is not None:
@@ -121,19 +143,22 @@ class DequantGroupedGemmSm90(GroupedGemmSm90):
         self.b_smem_layout = sm90_utils.make_smem_layout_b(
             self.b_layout, self.mma_tiler, self.ab_dtype, self.bf_buffers
         )
-        # A stage's packed rows are one contiguous run of tile_n * row_bytes bytes in global memory:
-        # TMA moves it as 256-byte box rows (the widest box dimension) rather than row_bytes ones.
-        self.raw_rows = self.tile_n * self.row_bytes // RAW_BOX
-        self.raw_smem_layout = cute.make_layout((RAW_BOX, self.raw_rows, self.ab_stages))
+        # A stage's data (and its scales) are one contiguous run in global memory each.
+        self.data_inner = box_inner(self.tile_n, self.data_bytes)
+        self.scale_inner = box_inner(self.tile_n, self.scales_per_tile)
+        self.raw_smem_layout = cute.make_layout((self.data_inner, data_bytes // self.data_inner, self.ab_stages))
+        self.scale_smem_layout = cute.make_layout((self.scale_inner, scale_bytes // self.scale_inner, self.ab_stages))
+        self.data_stage_bytes = data_bytes
+        self.scale_stage_bytes = scale_bytes
         self.epi_smem_layout = sm90_utils.make_smem_layout_epi(
             self.c_dtype, self.c_layout, self.epi_tile, self.epi_stages
         )
-        self.raw_stage_bytes = raw_bytes
 
     def launch(
         self,
         a: cute.Tensor,
-        b_raw: cute.Tensor,  # (256, N * row_bytes / 256, K/64, E) uint8: packed weights
+        w_data: cute.Tensor,  # [E, K/64, N, D] uint8 (weights.pack_quantized_matrix)
+        w_scale: cute.Tensor,  # [E, K/64, N, S] uint8
         c: cute.Tensor,
         m_block_expert: cute.Tensor,
         meta: cute.Tensor,
@@ -142,20 +167,30 @@ class DequantGroupedGemmSm90(GroupedGemmSm90):
         stream,
         use_pdl: bool = False,
     ) -> None:
-        self._setup(a, b_raw, c)
+        self._setup(a, c)
         a_smem_one = cute.slice_(self.a_smem_layout, (None, None, 0))
         raw_smem_one = cute.slice_(self.raw_smem_layout, (None, None, 0))
+        scale_smem_one = cute.slice_(self.scale_smem_layout, (None, None, 0))
         epi_smem_one = cute.slice_(self.epi_smem_layout, (None, None, 0))
         tma_a, tma_tensor_a = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), a, a_smem_one, (self.tile_m, self.tile_k)
         )
         tma_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), b_raw, raw_smem_one, (RAW_BOX, self.raw_rows)
+            cpasync.CopyBulkTensorTileG2SOp(),
+            packed_view(w_data, self.data_inner),
+            raw_smem_one,
+            cute.shape(raw_smem_one),
+        )
+        tma_s, tma_tensor_s = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(),
+            packed_view(w_scale, self.scale_inner),
+            scale_smem_one,
+            cute.shape(scale_smem_one),
         )
         tma_c, tma_tensor_c = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), c, epi_smem_one, self.epi_tile
         )
-        self.tma_bytes = cute.size_in_bytes(self.ab_dtype, a_smem_one) + self.raw_stage_bytes
+        self.tma_bytes = cute.size_in_bytes(self.ab_dtype, a_smem_one) + self.data_stage_bytes + self.scale_stage_bytes
 
         @cute.struct
         class SharedStorage:
@@ -163,6 +198,7 @@ class DequantGroupedGemmSm90(GroupedGemmSm90):
             sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_layout)], 1024]
             sRaw: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cute.cosize(self.raw_smem_layout)], 1024]
+            sScale: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cute.cosize(self.scale_smem_layout)], 128]
             sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(self.epi_smem_layout)], 1024]
 
         self.shared_storage = SharedStorage
@@ -171,6 +207,8 @@ class DequantGroupedGemmSm90(GroupedGemmSm90):
             tma_tensor_a,
             tma_b,
             tma_tensor_b,
+            tma_s,
+            tma_tensor_s,
             tma_c,
             tma_tensor_c,
             m_block_expert,
@@ -182,6 +220,7 @@ class DequantGroupedGemmSm90(GroupedGemmSm90):
             self.a_smem_layout,
             self.b_smem_layout,
             self.raw_smem_layout,
+            self.scale_smem_layout,
             self.epi_smem_layout,
         ).launch(
             grid=[self.num_sms, 1, 1],
@@ -199,6 +238,8 @@ class DequantGroupedGemmSm90(GroupedGemmSm90):
         mA: cute.Tensor,
         tma_b: cute.CopyAtom,
         mB: cute.Tensor,
+        tma_s: cute.CopyAtom,
+        mS: cute.Tensor,
         tma_c: cute.CopyAtom,
         mC: cute.Tensor,
         m_block_expert: cute.Tensor,
@@ -210,6 +251,7 @@ class DequantGroupedGemmSm90(GroupedGemmSm90):
         a_smem_layout: cute.ComposedLayout,
         b_smem_layout: cute.ComposedLayout,
         raw_smem_layout: cute.Layout,
+        scale_smem_layout: cute.Layout,
         epi_smem_layout: cute.ComposedLayout,
     ):
         tidx, _, _ = cute.arch.thread_idx()
@@ -221,6 +263,7 @@ class DequantGroupedGemmSm90(GroupedGemmSm90):
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
+            cpasync.prefetch_descriptor(tma_s)
             cpasync.prefetch_descriptor(tma_c)
 
         smem = cutlass.utils.SmemAllocator()
@@ -241,11 +284,13 @@ class DequantGroupedGemmSm90(GroupedGemmSm90):
         sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
         sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
         sRaw = storage.sRaw.get_tensor(raw_smem_layout)
+        sScale = storage.sScale.get_tensor(scale_smem_layout)
         sC = storage.sC.get_tensor(epi_smem_layout.outer, swizzle=epi_smem_layout.inner)
 
-        # (bM, bK, RestM, RestK) / (256, raw_rows, 1, RestN, RestK, E) / (bM, bNout, RestM, RestNout)
+        # (bM, bK, RestM, RestK) / (inner, rows, 1, RestN, RestK, E) twice / (bM, bNout, RestM, RestNout)
         gA = cute.local_tile(mA, (self.tile_m, self.tile_k), (None, None))
-        gB = cute.local_tile(mB, (RAW_BOX, self.raw_rows), (None, None, None, None))
+        gB = cute.local_tile(mB, cute.shape(cute.slice_(raw_smem_layout, (None, None, 0))), (None, None, None, None))
+        gS = cute.local_tile(mS, cute.shape(cute.slice_(scale_smem_layout, (None, None, 0))), (None, None, None, None))
         gC = cute.local_tile(mC, self.out_tiler, (None, None))
 
         tAsA, tAgA = cpasync.tma_partition(
@@ -253,6 +298,9 @@ class DequantGroupedGemmSm90(GroupedGemmSm90):
         )
         tBsB, tBgB = cpasync.tma_partition(
             tma_b, 0, cute.make_layout(1), cute.group_modes(sRaw, 0, 2), cute.group_modes(gB, 0, 2)
+        )
+        tSsS, tSgS = cpasync.tma_partition(
+            tma_s, 0, cute.make_layout(1), cute.group_modes(sScale, 0, 2), cute.group_modes(gS, 0, 2)
         )
 
         k_tiles = cute.size(gA, mode=[3])
@@ -279,6 +327,9 @@ class DequantGroupedGemmSm90(GroupedGemmSm90):
                         cute.copy(tma_a, tAgA[(None, m_blk, k)], tAsA[(None, prod_state.index)], tma_bar_ptr=bar)
                         cute.copy(
                             tma_b, tBgB[(None, 0, n_blk, k, expert)], tBsB[(None, prod_state.index)], tma_bar_ptr=bar
+                        )
+                        cute.copy(
+                            tma_s, tSgS[(None, 0, n_blk, k, expert)], tSsS[(None, prod_state.index)], tma_bar_ptr=bar
                         )
                         ab_pipe.producer_commit(prod_state)
                         prod_state.advance()
@@ -321,6 +372,7 @@ class DequantGroupedGemmSm90(GroupedGemmSm90):
             )
 
             raw_base = bq.smem_addr(storage.sRaw.data_ptr())
+            scale_base = bq.smem_addr(storage.sScale.data_ptr())
             bf_base = bq.smem_addr(storage.sB.data_ptr())
             conv_offsets = self._conv_offsets(mma_tidx)
             num_kb = cute.size(tCrA, mode=[2])
@@ -340,7 +392,7 @@ class DequantGroupedGemmSm90(GroupedGemmSm90):
                 # Convert K tile 0 into buffer 0.
                 first = self._ring_state(consumed)
                 ab_pipe.consumer_wait(first)
-                self._dequant_stage(raw_base, bf_base, first.index, 0, conv_offsets)
+                self._dequant_stage(raw_base, scale_base, bf_base, first.index, 0, conv_offsets)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 self._barrier()
                 for k in cutlass.range(k_tiles, unroll=1):
@@ -365,7 +417,7 @@ class DequantGroupedGemmSm90(GroupedGemmSm90):
                         if k + 1 < k_tiles:
                             nxt = self._ring_state(consumed + k + 1)
                             ab_pipe.consumer_wait(nxt)
-                            self._dequant_stage(raw_base, bf_base, nxt.index, 1 - buf, conv_offsets)
+                            self._dequant_stage(raw_base, scale_base, bf_base, nxt.index, 1 - buf, conv_offsets)
                             cute.arch.fence_proxy("async.shared", space="cta")
                             self._barrier()
                     else:
@@ -374,7 +426,7 @@ class DequantGroupedGemmSm90(GroupedGemmSm90):
                         if k + 1 < k_tiles:
                             nxt = self._ring_state(consumed + k + 1)
                             ab_pipe.consumer_wait(nxt)
-                            self._dequant_stage(raw_base, bf_base, nxt.index, (k + 1) % 3, conv_offsets)
+                            self._dequant_stage(raw_base, scale_base, bf_base, nxt.index, (k + 1) % 3, conv_offsets)
                             cute.arch.fence_proxy("async.shared", space="cta")
                         warpgroup.wait_group(1)  # WGMMA k-1 done: its ring stage is free
                         if k > 0:
@@ -387,7 +439,7 @@ class DequantGroupedGemmSm90(GroupedGemmSm90):
 
                 if is_mma_wg:
                     if cutlass.const_expr(self.fmt == constants.FMT_NVFP4):
-                        alpha = act_gscale[self.gscale_index] * w_gscale[expert]
+                        alpha = act_gscale[self.gscale_index] * w_gscale[expert] * bq.NVFP4_ACC_SCALE
                         for i in cutlass.range_constexpr(cute.size(acc)):
                             acc[i] = acc[i] * alpha
                     self._epilogue_math(acc, acc_out)
@@ -421,36 +473,52 @@ class DequantGroupedGemmSm90(GroupedGemmSm90):
         return pipeline.PipelineState(self.ab_stages, n, n % self.ab_stages, (n // self.ab_stages) & 1)
 
     def _conv_offsets(self, ctid):
-        """Per-thread byte offsets of the conversion (constant over the kernel): thread ``ctid`` takes
-        chunk ``c = ctid % 8`` of rows ``ctid // 8 + 32 i``, so ``c`` and ``row % 8`` never change and
-        every access of step ``i`` is a fixed offset plus ``i`` times a compile-time stride."""
-        r0 = ctid >> 3
-        c = ctid & 7
-        blocks_per_chunk_shift = 2 if self.fmt == constants.FMT_MXFP8 else 1  # 8-element chunks per block
-        src = r0 * self.row_bytes + c * (self.data_bytes // 8)
-        mult = r0 * self.row_bytes + self.data_bytes + 2 * (c >> blocks_per_chunk_shift)
-        dst = r0 * 128 + ((c ^ (r0 & 7)) << 4)
-        return src, mult, dst
+        """Per-thread shared-memory offsets of the conversion (constant over the kernel): thread
+        ``ctid`` takes data segment ``s = ctid % segs`` of rows ``ctid // segs + step * rows_per_step``.
+        Steps add multiples of 8 rows, so the segment's swizzled slot and the BF16 chunks' swizzle
+        (``chunk ^ row % 8``) never change; every step is a fixed offset plus a compile-time stride."""
+        segs = self.segs
+        if self.conv_units < self.num_conv_threads:
+            ctid = ctid % self.conv_units
+        row = ctid // segs
+        s = ctid - row * segs
+        d = self.data_bytes
+        slot = s ^ ((row // (128 // d)) % segs)  # weights.segment_swizzle
+        src = row * d + slot * constants.QUANT_SEGMENT_BYTES
+        # MXFP8: a segment is half a 32-block (one scale byte); NVFP4: two 16-blocks (two bytes)
+        scale = row * self.scales_per_tile + (s >> 1 if self.fmt == constants.FMT_MXFP8 else 2 * s)
+        chunks = 2 if self.fmt == constants.FMT_MXFP8 else 4  # 16-byte BF16 chunks per segment
+        dst = [row * 128 + (((chunks * s + m) ^ (row & 7)) << 4) for m in range(chunks)]
+        return src, scale, dst
 
-    def _dequant_stage(self, raw_base, bf_base, stage, buf, offsets) -> None:
-        """Packed rows of ring stage ``stage`` -> BF16 buffer ``buf`` (128B-swizzled, K-major: the 16-byte
-        chunk c of row r sits at chunk ``c ^ (r % 8)`` of the row's 128 bytes)."""
+    def _dequant_stage(self, raw_base, scale_base, bf_base, stage, buf, offsets) -> None:
+        """Packed data of ring stage ``stage`` -> BF16 buffer ``buf`` (128B-swizzled, K-major: the
+        16-byte chunk c of row r sits at chunk ``c ^ (r % 8)`` of the row's 128 bytes).
+
+        Word q of a segment holds (``weights.SEGMENT_ORDER``) MXFP8 elements 2q, 2q+1, 2q+8, 2q+9 of
+        its 16, NVFP4 element pairs 2q + 8j (j = 0..3) of its 32: converted, word q's first pair goes
+        to chunk 0 of the segment's output, its second to chunk 1 (and so on), lane position q."""
         if self.probe & 1:
             return
-        raw_stage = raw_base + stage * self.raw_stage_bytes
+        raw_stage = raw_base + stage * self.data_stage_bytes
+        scale_stage = scale_base + stage * self.scale_stage_bytes
         bf_stage = bf_base + buf * (self.tile_n * self.tile_k * 2)
-        src0, mult0, dst0 = offsets
-        rows_per_step = self.num_conv_threads // 8
-        for it in range(self.tile_n // rows_per_step):
-            src = raw_stage + src0 + it * rows_per_step * self.row_bytes
-            mult = bq.ld_shared_bf16_pair(raw_stage + mult0 + it * rows_per_step * self.row_bytes)
-            if cutlass.const_expr(self.fmt == constants.FMT_MXFP8):
-                w0, w1 = bq.ld_shared_v2(src)
-            else:
-                w0, w1 = bq.e2m1x8_to_e4m3x8(bq.ld_shared_b32(src))
-            o0, o1 = bq.e4m3x4_to_bf16x4(w0, mult)
-            o2, o3 = bq.e4m3x4_to_bf16x4(w1, mult)
-            bq.st_shared_v4(bf_stage + dst0 + it * rows_per_step * 128, o0, o1, o2, o3)
+        src0, scale0, dst0 = offsets
+        rows_per_step = self.num_conv_threads // self.segs
+        for it in range(self.conv_steps):
+            self._dequant_segment(raw_stage, scale_stage, bf_stage, src0, scale0, dst0, it * rows_per_step)
+
+    def _dequant_segment(self, raw_stage, scale_stage, bf_stage, src0, scale0, dst0, row_off: int) -> None:
+        words = bq.ld_shared_v4(raw_stage + src0 + row_off * self.data_bytes)
+        scale_addr = scale_stage + scale0 + row_off * self.scales_per_tile
+        if cutlass.const_expr(self.fmt == constants.FMT_MXFP8):
+            mult = bq.ue8m0_multiplier(bq.ld_shared_u8(scale_addr))
+            pairs = [bq.e4m3x4_to_bf16x4(w, mult) for w in words]  # (chunk 0, chunk 1) of lane q
+        else:
+            mult_lo, mult_hi = bq.e4m3_scale_multipliers(bq.ld_shared_u16(scale_addr))
+            pairs = [bq.e2m1x8_to_bf16x8(w, mult_lo, mult_hi) for w in words]  # chunks 0..3 of lane q
+        for m, dst in enumerate(dst0):
+            bq.st_shared_v4(bf_stage + dst + row_off * 128, *[p[m] for p in pairs])
 
     def _requant(self, acc_out: cute.Tensor, act_gscale: cute.Tensor) -> None:
         """Quantize-dequantize the fp32 output fragment along N in blocks of the format (in place).

@@ -2,7 +2,8 @@
 
 Same recipe and calling convention style as ``moe_bf16_glu.export``; argument order::
 
-    fn(x, topk_ids, topk_weights, w13_packed, w2_packed, w13_gscale, w2_gscale, act_gscale, out,
+    fn(x, topk_ids, topk_weights, w13_data, w13_scale, w2_data, w2_scale, w13_gscale, w2_gscale,
+       act_gscale, out,
        pair_row, pair_rank, expert_count, cta_base, expert_off, m_block_expert, meta, a_buf, h_buf)
 """
 
@@ -20,6 +21,7 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from ..common import constants
+from ..common.host_utils import swap_tile_plan
 from ..moe_bf16_glu.export import _ldflags
 from .kernel import Sm90MegaMoEQuantKernel
 
@@ -31,7 +33,10 @@ def check_problem(kernel: Sm90MegaMoEQuantKernel, hidden: int, inter: int, num_e
     if hidden % constants.TILE_K or inter % constants.TILE_K:
         raise ValueError(f"H and I must be multiples of {constants.TILE_K}")
     n1 = 2 * inter if kernel.activation in constants.GATED_ACTIVATIONS else inter
-    if n1 % kernel.fc1.tile_n or hidden % kernel.fc2.tile_n:
+    if kernel.swap_ab:
+        swap_tile_plan(n1, kernel.activation in constants.GATED_ACTIVATIONS)
+        swap_tile_plan(hidden, False)
+    elif n1 % kernel.fc1.tile_n or hidden % kernel.fc2.tile_n:
         raise ValueError(
             f"FC1 N={n1} must divide by fc1_tile_n={kernel.fc1.tile_n} and H={hidden} by fc2_tile_n={kernel.fc2.tile_n}"
         )
@@ -42,7 +47,8 @@ def check_problem(kernel: Sm90MegaMoEQuantKernel, hidden: int, inter: int, num_e
 def fake_arguments(kernel: Sm90MegaMoEQuantKernel, hidden: int, inter: int, num_experts: int, top_k: int) -> list[Any]:
     bf16, i32, f32, u8 = cutlass.BFloat16, cutlass.Int32, cutlass.Float32, cutlass.Uint8
     n1 = 2 * inter if kernel.activation in constants.GATED_ACTIVATIONS else inter
-    rb = constants.QUANT_ROW_BYTES[kernel.fmt]
+    d = constants.QUANT_DATA_BYTES[kernel.fmt]
+    spt = constants.QUANT_SCALES_PER_TILE[kernel.fmt]
     tk = constants.TILE_K
     t = cute.sym_int()
     m_cap = cute.sym_int()
@@ -55,8 +61,10 @@ def fake_arguments(kernel: Sm90MegaMoEQuantKernel, hidden: int, inter: int, num_
         mat(bf16, (t, hidden)),
         mat(i32, (t, top_k)),
         mat(f32, (t, top_k)),
-        mat(u8, (num_experts, hidden // tk, n1, rb)),
-        mat(u8, (num_experts, inter // tk, hidden, rb)),
+        mat(u8, (num_experts, hidden // tk, n1, d)),
+        mat(u8, (num_experts, hidden // tk, n1, spt)),
+        mat(u8, (num_experts, inter // tk, hidden, d)),
+        mat(u8, (num_experts, inter // tk, hidden, spt)),
         mat(f32, (num_experts,)),
         mat(f32, (num_experts,)),
         mat(f32, (2,)),

@@ -4,7 +4,8 @@
 
 1. routing (the BF16 kernel's);
 2. gather with the activation quantized-dequantized along H (``aux_kernels.quant_gather_kernel``);
-3. FC1: packed weights dequantized in shared memory, BF16 WGMMA, the activation and the
+3. FC1: packed weights dequantized to BF16 (in shared memory, ``dequant_gemm``, or with
+   ``swap_ab`` for decode in registers, ``swap_gemm``), BF16 WGMMA, the activation and the
    requantization to the FC2 input format in the epilogue -> ``h_buf`` (exact BF16 values);
 4. FC2 the same way -> ``a_buf`` reused as y [M_cap, H] bf16;
 5. combine (the BF16 kernel's): ``out[t] = bf16(sum_k w[t,k] * y)``, k in order.
@@ -19,6 +20,7 @@ from ..common import constants
 from ..moe_bf16_glu import aux_kernels
 from .aux_kernels import quant_gather_kernel
 from .dequant_gemm import DequantGroupedGemmSm90
+from .swap_gemm import SwapDequantGemmSm90
 
 
 class Sm90MegaMoEQuantKernel:
@@ -26,9 +28,12 @@ class Sm90MegaMoEQuantKernel:
 
     :param fmt: ``"mxfp8"`` or ``"nvfp4"`` (weights and activations).
     :param activation, limit: as ``Sm90MegaMoEBf16Kernel``.
-    :param tile_m: rows per M tile (64 or 128).
+    :param tile_m: rows per M tile (64 or 128; with ``swap_ab`` the token tile, 16 or 32).
     :param fc1_tile_n, fc2_tile_n: N tiles (w13 gate/up rows interleaved per ``fc1_tile_n`` before
-        packing, see ``weights.pack_quantized_weights``).
+        packing, see ``weights.pack_quantized_weights``). ``swap_ab`` ignores them (its weight tiles
+        follow ``common.host_utils.swap_tile_plan``) but needs gate/up interleaved per 256 rows.
+    :param swap_ab: the decode GEMMs (``swap_gemm``): weights as the WGMMA A operand, dequantized in
+        registers; tokens as N.
     :param num_sms, fc1_stages, fc2_stages, use_pdl, aux_vpt: as the BF16 kernel.
     """
 
@@ -47,13 +52,17 @@ class Sm90MegaMoEQuantKernel:
         aux_vpt: int = 4,
         probe: int = 0,
         bf_buffers: int = 3,
+        swap_ab: bool = False,
     ) -> None:
         if fmt not in constants.QUANT_FORMATS:
             raise ValueError(f"unknown format {fmt!r}")
         if activation not in constants.ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}")
-        if tile_m not in (64, 128):
+        if swap_ab and tile_m not in constants.SWAP_TOKEN_TILES:
+            raise ValueError(f"with swap_ab, tile_m must be one of {constants.SWAP_TOKEN_TILES}, got {tile_m}")
+        if not swap_ab and tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {tile_m}")
+        self.swap_ab = swap_ab
         self.fmt = fmt
         self.activation = activation
         self.limit = limit
@@ -63,6 +72,10 @@ class Sm90MegaMoEQuantKernel:
         self.aux_grid = num_sms * 8
         self.use_pdl = use_pdl
         self.aux_vpt = aux_vpt
+        if swap_ab:
+            self.fc1 = SwapDequantGemmSm90(fmt, tile_m, activation, limit, num_sms, fc1_stages, requant=True)
+            self.fc2 = SwapDequantGemmSm90(fmt, tile_m, "plain", None, num_sms, fc2_stages, gscale_index=1)
+            return
         self.fc1 = DequantGroupedGemmSm90(
             fmt,
             tile_m,
@@ -89,22 +102,16 @@ class Sm90MegaMoEQuantKernel:
             bf_buffers=bf_buffers,
         )
 
-    @staticmethod
-    def _packed_view(w: cute.Tensor) -> cute.Tensor:
-        # torch [E, K/64, N, row_bytes] (contiguous) -> cute (256, N*row_bytes/256, K/64, E): each
-        # (expert, K tile) is one run of 256-byte rows (the TMA box rows, see DequantGroupedGemmSm90).
-        e, kt, n, rb = w.shape
-        run = n * rb
-        return cute.make_tensor(w.iterator, cute.make_layout((256, run // 256, kt, e), stride=(1, 256, run, kt * run)))
-
     @cute.jit
     def __call__(
         self,
         x: cute.Tensor,  # [T, H] bf16
         topk_ids: cute.Tensor,  # [T, K] int32
         topk_weights: cute.Tensor,  # [T, K] fp32
-        w13: cute.Tensor,  # [E, H/64, N1, row_bytes] uint8 (weights.pack_quantized_weights)
-        w2: cute.Tensor,  # [E, I/64, H, row_bytes] uint8
+        w13: cute.Tensor,  # [E, H/64, N1, D] uint8 data (weights.pack_quantized_weights)
+        w13_scale: cute.Tensor,  # [E, H/64, N1, S] uint8 scale bytes
+        w2: cute.Tensor,  # [E, I/64, H, D] uint8
+        w2_scale: cute.Tensor,  # [E, I/64, H, S] uint8
         w13_gscale: cute.Tensor,  # [E] fp32 (NVFP4; ones for MXFP8)
         w2_gscale: cute.Tensor,  # [E] fp32
         act_gscale: cute.Tensor,  # [2] fp32: NVFP4 global scales of x and of the FC2 input
@@ -138,8 +145,8 @@ class Sm90MegaMoEQuantKernel:
         quant_gather_kernel(
             x, topk_ids, pair_rank, expert_off, cta_base, pair_row, a_buf, act_gscale, self.num_sms, self.fmt
         ).launch(grid=[self.aux_grid, 1, 1], block=[self.aux_threads, 1, 1], stream=stream, use_pdl=pdl)
-        self.fc1.launch(a_buf, self._packed_view(w13), h_buf, m_block_expert, meta, w13_gscale, act_gscale, stream, pdl)
-        self.fc2.launch(h_buf, self._packed_view(w2), a_buf, m_block_expert, meta, w2_gscale, act_gscale, stream, pdl)
+        self.fc1.launch(a_buf, w13, w13_scale, h_buf, m_block_expert, meta, w13_gscale, act_gscale, stream, pdl)
+        self.fc2.launch(h_buf, w2, w2_scale, a_buf, m_block_expert, meta, w2_gscale, act_gscale, stream, pdl)
         aux_kernels.combine_kernel(a_buf, pair_row, topk_weights, out, topk_ids.shape[1], self.aux_vpt).launch(
             grid=[self.aux_grid, 1, 1], block=[self.aux_threads, 1, 1], stream=stream, use_pdl=pdl
         )

@@ -1,12 +1,19 @@
-"""Host-side packing of block-scaled expert weights into the quantized kernel's layout (torch only).
+"""Host-side packing of block-scaled expert weights into the quantized kernels' layout (torch only).
 
-One packed row per (expert, K tile of 64, output row): the row's 64 elements of the tile (64 E4M3
-bytes, or 32 bytes of E2M1 pairs), then one BF16 multiplier per block of the tile (2 for MXFP8, 4
-for NVFP4): the block scale times 2**112, the factor the kernel's E4M3 -> F16 -> BF16 bit move leaves
-out (``src.block_quant.e4m3x4_to_bf16x4``), then zero padding to ``QUANT_ROW_BYTES`` (80 / 48,
-multiples of 16). Layout ``[E, K/64, N, row]``
-uint8: the rows of one (expert, K tile) are contiguous, so one TMA box brings a stage's weights and
-their scales together.
+Two tensors per matrix, both ``[E, K/64, N, ...]`` uint8 so that the rows of one (expert, K tile)
+are one contiguous run (one TMA box each):
+
+- data ``[E, K/64, N, D]``: the row's 64 elements of the K tile (D = 64 E4M3 bytes, or 32 bytes of
+  E2M1 pairs, element 2i in the low nibble), as D/16 segments of 16 bytes. Inside a segment the bytes
+  are reordered so that 32-bit word ``q`` holds what lane ``q`` of a quad needs for a WGMMA A
+  fragment (``SEGMENT_ORDER``): MXFP8 (a segment is one K16 block) the element pairs ``2q, 2q+1`` and
+  ``2q+8, 2q+9``; NVFP4 (a segment is two K16 blocks) the bytes ``q, q+4, q+8, q+12``, i.e. element
+  pairs ``2q + 8j`` for j = 0..3. Segment ``s`` of row ``r`` is stored in slot ``s ^ swizzle(r)``
+  (``segment_swizzle``): 8 consecutive rows then occupy 8 different 16-byte bank groups, so an
+  8-row ``ldmatrix`` and the 16-byte loads of the shared-memory dequantization are conflict-free.
+- scales ``[E, K/64, N, S]``: the row's raw block-scale bytes of the K tile (S = 2 UE8M0, or 4 E4M3).
+
+That is 1 + 1/32 bytes per MXFP8 weight and 1/2 + 1/16 per NVFP4 weight: what the checkpoint stores.
 """
 
 from __future__ import annotations
@@ -16,48 +23,77 @@ import torch
 from ..common import constants
 from ..moe_bf16_glu.weights import interleave_gate_up
 
+#: byte order inside a 16-byte data segment: stored byte ``i`` is source byte ``SEGMENT_ORDER[fmt][i]``
+SEGMENT_ORDER = {
+    constants.FMT_MXFP8: [b for q in range(4) for b in (2 * q, 2 * q + 1, 2 * q + 8, 2 * q + 9)],
+    constants.FMT_NVFP4: [q + 4 * m for q in range(4) for m in range(4)],
+}
+#: the largest UE8M0 scale byte the kernels take (the BF16 multiplier ``2**(byte - 15)`` must be finite)
+MXFP8_MAX_SCALE_BYTE = 142
+
+
+def segment_swizzle(row: int | torch.Tensor, fmt: str) -> int | torch.Tensor:
+    """The XOR applied to the segment index of ``row``: ``(row // rows_per_128_bytes) % segments``."""
+    d = constants.QUANT_DATA_BYTES[fmt]
+    return (row // (128 // d)) % (d // constants.QUANT_SEGMENT_BYTES)
+
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype != torch.uint8 else t
 
 
-def block_multipliers(scale: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Block scales -> BF16 ``scale * 2**112`` (exact). MXFP8 scale bytes above 142 (block scales above
-    2**15) would overflow BF16 and are rejected; NVFP4 E4M3 scales always fit."""
+def _check_scales(scale: torch.Tensor, fmt: str) -> None:
     if fmt == constants.FMT_MXFP8:
-        b = _bytes(scale).to(torch.int32)
-        if bool((b > 142).any()):
-            raise ValueError("MXFP8 block scales above 2**15 (scale bytes > 142) are not supported by the kernel")
-        bits = (b + 112) << 7  # BF16 2**(byte - 127 + 112)
-        return bits.to(torch.int16).view(torch.bfloat16)
-    value = scale.view(torch.float8_e4m3fn).float() * 2.0**112
-    if not bool(torch.isfinite(value).all()):
+        if bool((_bytes(scale) > MXFP8_MAX_SCALE_BYTE).any()):
+            raise ValueError(
+                f"MXFP8 block scales above 2**15 (scale bytes > {MXFP8_MAX_SCALE_BYTE}) are not supported by the kernel"
+            )
+    elif not bool(torch.isfinite(scale.view(torch.float8_e4m3fn).float()).all()):
         raise ValueError("NVFP4 block scales must be finite (E4M3 NaN codes are rejected)")
-    return value.to(torch.bfloat16)
 
 
-def pack_quantized_matrix(data: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
+def pack_quantized_matrix(data: torch.Tensor, scale: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``data`` [E, N, K] float8_e4m3fn (mxfp8) or [E, N, K/2] uint8 (nvfp4), ``scale`` [E, N, K/block]
-    (uint8 UE8M0 / float8_e4m3fn) -> packed uint8 [E, K/64, N, row_bytes]."""
+    (uint8 UE8M0 / float8_e4m3fn) -> (data [E, K/64, N, D], scales [E, K/64, N, S]) uint8."""
     if fmt not in constants.QUANT_FORMATS:
         raise ValueError(f"unknown format {fmt!r}")
     tk = constants.TILE_K
     data_b, scale_b = _bytes(data), _bytes(scale)
     e, n, kb = data_b.shape
-    k = kb * tk // constants.QUANT_DATA_BYTES[fmt]
+    d = constants.QUANT_DATA_BYTES[fmt]
+    k = kb * tk // d
     if k % tk:
         raise ValueError(f"K={k} must be a multiple of {tk}")
     kt = k // tk
-    spt = tk // constants.QUANT_BLOCK[fmt]  # scales per row per K tile
+    spt = constants.QUANT_SCALES_PER_TILE[fmt]
     if tuple(scale_b.shape) != (e, n, kt * spt):
         raise ValueError(f"scale shape {tuple(scale.shape)} does not match data {tuple(data.shape)} for {fmt}")
-    row = constants.QUANT_ROW_BYTES[fmt]
-    d = constants.QUANT_DATA_BYTES[fmt]
-    out = torch.zeros(e, kt, n, row, dtype=torch.uint8, device=data.device)
-    out[..., :d] = data_b.reshape(e, n, kt, d).transpose(1, 2)
-    mult = block_multipliers(scale_b if fmt == constants.FMT_MXFP8 else scale, fmt).view(torch.uint8)
-    out[..., d : d + 2 * spt] = mult.reshape(e, n, kt, 2 * spt).transpose(1, 2)
-    return out
+    _check_scales(scale, fmt)
+    seg = constants.QUANT_SEGMENT_BYTES
+    nseg = d // seg
+    order = torch.tensor(SEGMENT_ORDER[fmt], device=data_b.device)
+    tiles = data_b.reshape(e, n, kt, nseg, seg)[..., order]  # bytes reordered inside each segment
+    rows = torch.arange(n, device=data_b.device)
+    slot = torch.arange(nseg, device=data_b.device)[None, :] ^ segment_swizzle(rows, fmt)[:, None]  # [N, nseg]
+    out = torch.empty_like(tiles)
+    out.scatter_(3, slot[None, :, None, :, None].expand_as(tiles), tiles)  # segment s -> slot s ^ swizzle
+    packed = out.reshape(e, n, kt, d).transpose(1, 2).contiguous()
+    scales = scale_b.reshape(e, n, kt, spt).transpose(1, 2).contiguous()
+    return packed, scales
+
+
+def unpack_quantized_matrix(packed: torch.Tensor, scales: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack_quantized_matrix`: (data [E, N, K bytes] uint8, scales [E, N, K/block] uint8)."""
+    e, kt, n, d = packed.shape
+    seg = constants.QUANT_SEGMENT_BYTES
+    nseg = d // seg
+    tiles = packed.transpose(1, 2).reshape(e, n, kt, nseg, seg)
+    rows = torch.arange(n, device=packed.device)
+    slot = torch.arange(nseg, device=packed.device)[None, :] ^ segment_swizzle(rows, fmt)[:, None]
+    segs = tiles.gather(3, slot[None, :, None, :, None].expand_as(tiles))
+    inverse = torch.argsort(torch.tensor(SEGMENT_ORDER[fmt], device=packed.device))
+    data = segs[..., inverse].reshape(e, n, kt * d)
+    return data.contiguous(), scales.transpose(1, 2).reshape(e, n, -1).contiguous()
 
 
 def pack_quantized_weights(
@@ -68,9 +104,9 @@ def pack_quantized_weights(
     fmt: str,
     fc1_tile_n: int,
     gated: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both matrices of a layer: gate/up rows interleaved per ``fc1_tile_n`` (gated activations, as in
-    the BF16 kernel) for the data and the scales alike, then packed."""
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """Both matrices of a layer, each as (data, scales): gate/up rows interleaved per ``fc1_tile_n``
+    (gated activations, as in the BF16 kernel) for the data and the scales alike, then packed."""
     if gated:
         w13 = interleave_gate_up(_bytes(w13), fc1_tile_n)
         w13_scale = interleave_gate_up(_bytes(w13_scale), fc1_tile_n)

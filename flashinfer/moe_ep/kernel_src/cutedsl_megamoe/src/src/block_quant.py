@@ -18,11 +18,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
 
-# E2M1 magnitude code (0..7) -> E4M3 byte, as two prmt lookup registers (bytes 0-3, bytes 4-7):
-# 0, .5, 1, 1.5 | 2, 3, 4, 6  ->  0x00 0x30 0x38 0x3C | 0x40 0x44 0x48 0x4C.
-_E2M1_TO_E4M3_LO = 0x3C383000
-_E2M1_TO_E4M3_HI = 0x4C484440
-
 
 def _sel(cond, a, b, ty):
     """``a if cond else b`` for traced values (a plain helper is not rewritten by the DSL)."""
@@ -46,9 +41,51 @@ def ld_shared_b32(addr: Int32) -> Uint32:
     return cute.arch.inline_ptx("ld.shared.b32 {$w0}, [{$r0}];", write_only_types=[Uint32], read_only_args=[addr])
 
 
-def ld_shared_v2(addr: Int32) -> tuple[Uint32, Uint32]:
+def ld_shared_u16(addr: Int32) -> Uint32:
     return cute.arch.inline_ptx(
-        "ld.shared.v2.b32 {{$w0}, {$w1}}, [{$r0}];", write_only_types=[Uint32, Uint32], read_only_args=[addr]
+        "{ .reg .b16 t; ld.shared.b16 t, [{$r0}]; cvt.u32.u16 {$w0}, t; }",
+        write_only_types=[Uint32],
+        read_only_args=[addr],
+    )
+
+
+def ld_shared_v4(addr: Int32) -> tuple[Uint32, Uint32, Uint32, Uint32]:
+    return cute.arch.inline_ptx(
+        "ld.shared.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+        write_only_types=[Uint32, Uint32, Uint32, Uint32],
+        read_only_args=[addr],
+    )
+
+
+def ldmatrix_x4(addr: Int32) -> tuple[Uint32, Uint32, Uint32, Uint32]:
+    """Four 8x16-byte matrices: lanes 8m..8m+7 give the row addresses of matrix m; every lane gets
+    word ``lane % 4`` of row ``lane // 4`` of each matrix."""
+    return cute.arch.inline_ptx(
+        "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+        write_only_types=[Uint32, Uint32, Uint32, Uint32],
+        read_only_args=[addr],
+    )
+
+
+def ue8m0_multiplier(byte: Uint32) -> Uint32:
+    """A UE8M0 scale byte (<= 142) -> the BF16 multiplier ``2**(byte - 127) * 2**112`` in both halves
+    of a word (the factor ``e4m3x4_to_bf16x4``'s bit move leaves out): bits ``(byte + 112) << 7``."""
+    return (byte + Uint32(112)) * Uint32(0x00800080)
+
+
+def e4m3_scale_multipliers(pair: Uint32) -> tuple[Uint32, Uint32]:
+    """Two E4M3 scale bytes (low 16 bits, first in the low byte) -> their BF16 multipliers
+    ``scale * 2**112``, each in both halves of a word (exact: 4 significant bits, normal in BF16)."""
+    return cute.arch.inline_ptx(
+        "{ .reg .b16 lo, hi; .reg .b32 h; .reg .f16 h0, h1; .reg .f32 f0, f1;\n"
+        "mov.b32 {lo, hi}, {$r0};\n"
+        "cvt.rn.f16x2.e4m3x2 h, lo;\n"
+        "mov.b32 {h0, h1}, h;\n"
+        "cvt.f32.f16 f0, h0; cvt.f32.f16 f1, h1;\n"
+        "mul.rn.f32 f0, f0, 0f77800000; mul.rn.f32 f1, f1, 0f77800000;\n"
+        "cvt.rn.bf16x2.f32 {$w0}, f0, f0; cvt.rn.bf16x2.f32 {$w1}, f1, f1; }",
+        write_only_types=[Uint32, Uint32],
+        read_only_args=[pair],
     )
 
 
@@ -108,32 +145,34 @@ def e4m3x4_to_bf16x4(word: Uint32, mult2: Uint32) -> tuple[Uint32, Uint32]:
     )
 
 
-def ld_shared_bf16_pair(addr: Int32) -> Uint32:
-    """One 16-bit value from shared memory, in both halves of a word."""
+def e2m1x8_to_bf16x8(word: Uint32, mult_lo: Uint32, mult_hi: Uint32) -> tuple[Uint32, Uint32, Uint32, Uint32]:
+    """Eight packed E2M1 nibbles (byte m = elements 2m (low nibble) and 2m+1) times block multipliers
+    -> four BF16 pairs, one word per byte, exactly: bytes 0-1 times ``mult_lo``, bytes 2-3 times
+    ``mult_hi`` (``scale * 2**112`` in both halves, as for E4M3). The result is ``value * 2**-14``:
+    the caller multiplies its fp32 accumulator by ``NVFP4_ACC_SCALE``.
+
+    A nibble ``s e1 e0 m`` placed at BF16 bits 15 and 8..6 is the BF16 ``value * 2**-126`` (the two
+    exponent bits land in the exponent field, m in the top mantissa bit; e = 0 gives the subnormal
+    ``m * 2**-127``, which is ``0.5 * 2**-126``), so one multiply by ``scale * 2**112`` is exact (<= 6
+    significant bits, normal). Per byte: extract, spread the high nibble 12 bits up (``* 0x1001``),
+    two shifts and masks."""
     return cute.arch.inline_ptx(
-        "{ .reg .b16 t; ld.shared.b16 t, [{$r0}]; mov.b32 {$w0}, {t, t}; }",
-        write_only_types=[Uint32],
-        read_only_args=[addr],
+        "{ .reg .b32 b, z, t, u, z0;\n"
+        "mov.b32 z0, 0x80008000;\n"
+        + "".join(
+            f"bfe.u32 b, {{$r0}}, {8 * m}, 8; mul.lo.u32 z, b, 0x1001;\n"
+            "shl.b32 t, z, 6; shl.b32 u, z, 12; and.b32 t, t, 0x01C001C0; and.b32 u, u, 0x80008000;\n"
+            f"or.b32 t, t, u; fma.rn.bf16x2 {{$w{m}}}, t, {{$r{1 if m < 2 else 2}}}, z0;\n"
+            for m in range(4)
+        )
+        + "}",
+        write_only_types=[Uint32, Uint32, Uint32, Uint32],
+        read_only_args=[word, mult_lo, mult_hi],
     )
 
 
-def e2m1x8_to_e4m3x8(word: Uint32) -> tuple[Uint32, Uint32]:
-    """Eight packed E2M1 nibbles (element i in nibble i) -> eight E4M3 bytes (two words): every E2M1
-    value is exact in E4M3. Magnitudes through a ``prmt`` byte lookup, signs moved from bit 3 of each
-    nibble to bit 7 of each byte."""
-    out = []
-    for half in range(2):
-        x = (word >> (16 * half)) & Uint32(0xFFFF)
-        mag = cute.arch.inline_ptx(
-            "prmt.b32 {$w0}, {$r0}, {$r1}, {$r2};",
-            write_only_types=[Uint32],
-            read_only_args=[Uint32(_E2M1_TO_E4M3_LO), Uint32(_E2M1_TO_E4M3_HI), x & Uint32(0x7777)],
-        )
-        # Spread nibble i to byte i, then take each nibble's bit 3 to its byte's bit 7.
-        y = ((x & Uint32(0xFF00)) << 8) | (x & Uint32(0x00FF))
-        y = ((y & Uint32(0x00F000F0)) << 4) | (y & Uint32(0x000F000F))
-        out.append(mag | ((y & Uint32(0x08080808)) << 4))
-    return out[0], out[1]
+#: what ``e2m1x8_to_bf16x8`` leaves out of the NVFP4 products (the accumulators are ``2**-14`` too small)
+NVFP4_ACC_SCALE = 2.0**14
 
 
 # ------------------------------------------------------------------------------------------------
@@ -229,17 +268,21 @@ def quad_amax(m: Float32) -> Float32:
 
 __all__ = [
     "block_amax",
-    "e2m1x8_to_e4m3x8",
+    "NVFP4_ACC_SCALE",
+    "e2m1x8_to_bf16x8",
     "e4m3_to_f32",
     "e4m3x4_to_bf16x4",
-    "ld_shared_bf16_pair",
+    "e4m3_scale_multipliers",
     "ld_shared_b32",
+    "ld_shared_u16",
     "ld_shared_u8",
-    "ld_shared_v2",
+    "ld_shared_v4",
+    "ldmatrix_x4",
     "mxfp8_qdq",
     "nvfp4_qdq",
     "quad_amax",
     "smem_addr",
     "st_shared_v4",
+    "ue8m0_multiplier",
     "ue8m0_to_f32",
 ]

@@ -1,0 +1,455 @@
+"""Grouped GEMM with block-scaled weights for few tokens (decode): swap-AB, weights dequantized in
+registers. Same routing, M-block map and packed weights as ``dequant_gemm``.
+
+With a handful of tokens per expert the MMA is nearly free and the time is the weight stream; the
+shared-memory dequantization of ``dequant_gemm`` (convert into a BF16 tile, fence, barrier, then
+WGMMA) puts the conversion on every warpgroup's critical path. Here the weights are the A operand
+(64 weight rows per WGMMA atom, ``M``) and the tokens the B operand (``N = tok_tile``, 16 or 32):
+
+- producer warp: per K tile (64), one TMA box of the packed weight data of the CTA's rows, one of
+  their scale bytes, and the ``tok_tile x 64`` BF16 activation tile of the M block;
+- consumer warpgroups (one or two, each owning ``64 * atoms`` weight rows): ``ldmatrix`` of the
+  packed data straight into the lane layout of a WGMMA A fragment (``weights.SEGMENT_ORDER``),
+  dequantized in registers to BF16 (the same exact conversion as ``dequant_gemm``), then WGMMA
+  with A from registers. Two fragments alternate: K tile k is converted while WGMMA k-1 runs;
+  ``wait_group(1)`` after WGMMA k frees fragment k-1 and its ring stage. No barrier between the
+  warpgroups, no shared-memory round trip.
+
+Which weight rows a thread holds is free (``ldmatrix`` takes a row address per lane), so the
+tiling uses the packed layout of the prefill kernel unchanged and picks rows for the epilogue:
+
+- gated FC1 (gate/up interleaved per 256 rows, ``weights.pack_quantized_weights``): a warpgroup
+  owns one 256-row block, atom a / row half h / lane row i of warp w reads gate (h = 0) or up
+  (h = 1) of output feature ``(w * atoms + a) * 8 + i``, so the activation pairs up in-thread;
+- otherwise (FC2, relu2): output feature = row ``(w * 2 * atoms + 2a + h) * 8 + i``.
+
+Each warp thus owns 8-row groups of output features (4 per gated warp, ``2 * atoms`` otherwise):
+an MXFP8 block of 32 features (NVFP4: 16) is 4 (2) of a warp's groups, so the requantization amax
+is in-thread over the groups, then over the 8 lanes of a column (shuffles 4, 8, 16). Results are
+stored from registers, two features per 32-bit store (lanes i and i ^ 1 swap one column).
+"""
+
+# No `from __future__ import annotations`: cute.struct reads its annotations as objects.
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from ..common import constants
+from ..common.host_utils import swap_tile_plan
+from ..src import activations
+from ..src import block_quant as bq
+from .dequant_gemm import box_inner, packed_view
+
+EPI_PLAIN = "plain"
+
+
+class SwapDequantGemmSm90:
+    """One grouped GEMM stage (FC1 or FC2) for few tokens per expert; compile-time knobs only."""
+
+    def __init__(
+        self,
+        fmt: str,
+        tok_tile: int,
+        epilogue: str,
+        limit: float | None,
+        num_sms: int,
+        ab_stages: int | None = None,
+        requant: bool = False,
+        gscale_index: int = 0,
+    ) -> None:
+        if fmt not in constants.QUANT_FORMATS:
+            raise ValueError(f"unknown format {fmt!r}")
+        if tok_tile not in constants.SWAP_TOKEN_TILES:
+            raise ValueError(f"tok_tile must be one of {constants.SWAP_TOKEN_TILES}, got {tok_tile}")
+        self.fmt = fmt
+        self.tok_tile = tok_tile
+        self.epilogue = epilogue
+        self.gated = epilogue in constants.GATED_ACTIVATIONS
+        self.limit = limit
+        self.num_sms = num_sms
+        self.ab_stages_override = ab_stages
+        self.requant = requant
+        self.gscale_index = gscale_index
+        self.tile_k = constants.TILE_K
+        self.data_bytes = constants.QUANT_DATA_BYTES[fmt]
+        self.scales_per_tile = constants.QUANT_SCALES_PER_TILE[fmt]
+        self.segs = self.data_bytes // constants.QUANT_SEGMENT_BYTES
+        self.threads_per_wg = 128
+        self.producer_regs = 40
+        self.acc_dtype = cutlass.Float32
+        self.smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
+
+    # ---------------------------------------------------------------- host-side setup (traced)
+    def _setup(self, rows: int) -> None:
+        self.atoms, self.num_wg = swap_tile_plan(rows, self.gated)
+        self.wg_rows = 64 * self.atoms
+        self.cta_rows = self.num_wg * self.wg_rows
+        self.groups = self.atoms if self.gated else 2 * self.atoms  # 8-feature groups per warp
+        self.wg_out = self.wg_rows // 2 if self.gated else self.wg_rows  # output features per warpgroup
+        # Row of (atom a, half h) relative to the warpgroup's first row, beyond w * groups * 8 + i.
+        self.atom_stride = 8 if self.gated else 16
+        self.half_stride = self.wg_rows // 2 if self.gated else 8
+        self.num_threads = (1 + self.num_wg) * self.threads_per_wg
+        self.consumer_regs = 232 if self.num_wg > 1 else 240
+
+        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            cutlass.BFloat16,
+            cutlass.BFloat16,
+            utils.LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
+            utils.LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
+            self.acc_dtype,
+            (1, 1, 1),
+            tiler_mn=(64, self.tok_tile),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+        data_bytes = self.cta_rows * self.data_bytes
+        scale_bytes = self.cta_rows * self.scales_per_tile
+        b_bytes = self.tok_tile * self.tile_k * 2
+        if self.ab_stages_override is not None:
+            self.ab_stages = self.ab_stages_override
+        else:
+            self.ab_stages = min(8, (self.smem_capacity - 4096) // (data_bytes + scale_bytes + b_bytes))
+        self.data_inner = box_inner(self.cta_rows, self.data_bytes)
+        self.scale_inner = box_inner(self.cta_rows, self.scales_per_tile)
+        self.data_smem_layout = cute.make_layout((self.data_inner, data_bytes // self.data_inner, self.ab_stages))
+        self.scale_smem_layout = cute.make_layout((self.scale_inner, scale_bytes // self.scale_inner, self.ab_stages))
+        self.b_smem_layout = sm90_utils.make_smem_layout_b(
+            utils.LayoutEnum.ROW_MAJOR, (self.wg_rows, self.tok_tile, self.tile_k), cutlass.BFloat16, self.ab_stages
+        )
+        self.data_stage_bytes = data_bytes
+        self.scale_stage_bytes = scale_bytes
+
+    def launch(
+        self,
+        act: cute.Tensor,  # (M_cap, K) bf16: the permuted activations (B operand)
+        w_data: cute.Tensor,  # [E, K/64, N, D] uint8 (weights.pack_quantized_matrix)
+        w_scale: cute.Tensor,  # [E, K/64, N, S] uint8
+        c: cute.Tensor,  # (M_cap, N_out) bf16
+        m_block_expert: cute.Tensor,
+        meta: cute.Tensor,
+        w_gscale: cute.Tensor,  # (E,) fp32 (NVFP4 weight global scales; unused for MXFP8)
+        act_gscale: cute.Tensor,  # (2,) fp32
+        stream,
+        use_pdl: bool = False,
+    ) -> None:
+        self._setup(w_data.shape[2])
+        data_one = cute.slice_(self.data_smem_layout, (None, None, 0))
+        scale_one = cute.slice_(self.scale_smem_layout, (None, None, 0))
+        b_one = cute.slice_(self.b_smem_layout, (None, None, 0))
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_w, tma_tensor_w = cpasync.make_tiled_tma_atom(
+            g2s, packed_view(w_data, self.data_inner), data_one, cute.shape(data_one)
+        )
+        tma_s, tma_tensor_s = cpasync.make_tiled_tma_atom(
+            g2s, packed_view(w_scale, self.scale_inner), scale_one, cute.shape(scale_one)
+        )
+        tma_b, tma_tensor_b = cpasync.make_tiled_tma_atom(g2s, act, b_one, (self.tok_tile, self.tile_k))
+        self.tma_bytes = self.data_stage_bytes + self.scale_stage_bytes + cute.size_in_bytes(cutlass.BFloat16, b_one)
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
+            sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(self.b_smem_layout)], 1024]
+            sData: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cute.cosize(self.data_smem_layout)], 1024]
+            sScale: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cute.cosize(self.scale_smem_layout)], 128]
+
+        self.shared_storage = SharedStorage
+        self.kernel(
+            tma_w,
+            tma_tensor_w,
+            tma_s,
+            tma_tensor_s,
+            tma_b,
+            tma_tensor_b,
+            c,
+            m_block_expert,
+            meta,
+            w_gscale,
+            act_gscale,
+            self.tiled_mma,
+            self.data_smem_layout,
+            self.scale_smem_layout,
+            self.b_smem_layout,
+        ).launch(
+            grid=[self.num_sms, 1, 1],
+            block=[self.num_threads, 1, 1],
+            min_blocks_per_mp=1,
+            stream=stream,
+            use_pdl=use_pdl,
+        )
+
+    # ---------------------------------------------------------------- device code
+    @cute.kernel
+    def kernel(
+        self,
+        tma_w: cute.CopyAtom,
+        mW: cute.Tensor,
+        tma_s: cute.CopyAtom,
+        mS: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        mC: cute.Tensor,
+        m_block_expert: cute.Tensor,
+        meta: cute.Tensor,
+        w_gscale: cute.Tensor,
+        act_gscale: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        data_smem_layout: cute.Layout,
+        scale_smem_layout: cute.Layout,
+        b_smem_layout: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        grid_x, _, _ = cute.arch.grid_dim()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
+
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_w)
+            cpasync.prefetch_descriptor(tma_s)
+            cpasync.prefetch_descriptor(tma_b)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        ab_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar.data_ptr(),
+            num_stages=self.ab_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_wg * 4),
+            tx_count=self.tma_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+        sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
+        sData = storage.sData.get_tensor(data_smem_layout)
+        sScale = storage.sScale.get_tensor(scale_smem_layout)
+
+        # (inner, rows, 1, RestN, RestK, E) twice / (tok, bK, RestM, RestK)
+        gW = cute.local_tile(mW, cute.shape(cute.slice_(data_smem_layout, (None, None, 0))), (None, None, None, None))
+        gS = cute.local_tile(mS, cute.shape(cute.slice_(scale_smem_layout, (None, None, 0))), (None, None, None, None))
+        gB = cute.local_tile(mB, (self.tok_tile, self.tile_k), (None, None))
+        tWsW, tWgW = cpasync.tma_partition(
+            tma_w, 0, cute.make_layout(1), cute.group_modes(sData, 0, 2), cute.group_modes(gW, 0, 2)
+        )
+        tSsS, tSgS = cpasync.tma_partition(
+            tma_s, 0, cute.make_layout(1), cute.group_modes(sScale, 0, 2), cute.group_modes(gS, 0, 2)
+        )
+        tBsB, tBgB = cpasync.tma_partition(
+            tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+        )
+        k_tiles = cute.size(gB, mode=[3])
+        n_tiles = cute.size(gW, mode=[3])
+
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+        cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.griddepcontrol_wait()
+        num_tiles = meta[0] * n_tiles
+
+        if wg_idx == 0:
+            # ------------------------------------------------------------ producer warpgroup
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+                tile = bidx
+                while tile < num_tiles:
+                    m_blk = tile // n_tiles
+                    n_blk = tile - m_blk * n_tiles
+                    expert = m_block_expert[m_blk] & 0xFFFF
+                    for k in cutlass.range(k_tiles, unroll=1):
+                        ab_pipe.producer_acquire(prod_state)
+                        bar = ab_pipe.producer_get_barrier(prod_state)
+                        stage = prod_state.index
+                        cute.copy(tma_w, tWgW[(None, 0, n_blk, k, expert)], tWsW[(None, stage)], tma_bar_ptr=bar)
+                        cute.copy(tma_s, tSgS[(None, 0, n_blk, k, expert)], tSsS[(None, stage)], tma_bar_ptr=bar)
+                        cute.copy(tma_b, tBgB[(None, m_blk, k)], tBsB[(None, stage)], tma_bar_ptr=bar)
+                        ab_pipe.producer_commit(prod_state)
+                        prod_state.advance()
+                    tile += grid_x
+                ab_pipe.producer_tail(prod_state)
+        else:
+            # ------------------------------------------------------------ consumer warpgroups
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            wg = wg_idx - 1
+            ctid = tidx - wg_idx * self.threads_per_wg
+            warp = ctid // 32
+            lane = ctid - warp * 32
+            thr_mma = tiled_mma.get_slice(ctid)
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.wg_rows, self.tok_tile)), self.acc_dtype)
+            a_shape = thr_mma.partition_shape_A((self.wg_rows, self.tile_k))
+            frags = [cute.make_rmem_tensor(a_shape, cutlass.BFloat16) for _ in range(2)]
+            words = [cute.recast_tensor(f, cutlass.Uint32) for f in frags]
+
+            data_base = bq.smem_addr(storage.sData.data_ptr())
+            scale_base = bq.smem_addr(storage.sScale.data_ptr())
+            offsets = self._lane_offsets(wg, warp, lane)
+            consumed = cutlass.Int32(0)  # K tiles taken from the ring so far
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+            tile = bidx
+            while tile < num_tiles:
+                m_blk = tile // n_tiles
+                n_blk = tile - m_blk * n_tiles
+                expert = m_block_expert[m_blk] & 0xFFFF
+                acc.fill(0.0)
+                # Two fragments alternate (registers are not indexable at run time): K tiles in pairs.
+                for k2 in cutlass.range(k_tiles // 2, unroll=1):
+                    for par in cutlass.range_constexpr(2):
+                        n = consumed + 2 * k2 + par
+                        self._k_step(
+                            ab_pipe, n, tiled_mma, acc, frags[par], words[par], tCrB, data_base, scale_base, offsets
+                        )
+                        if n > 0:  # WGMMA n-1 is done: free its stage (the previous tile's last, at k = 0)
+                            ab_pipe.consumer_release(self._ring_state(n - 1))
+                if cutlass.const_expr(k_tiles % 2 == 1):
+                    n = consumed + k_tiles - 1
+                    self._k_step(ab_pipe, n, tiled_mma, acc, frags[0], words[0], tCrB, data_base, scale_base, offsets)
+                    if n > 0:
+                        ab_pipe.consumer_release(self._ring_state(n - 1))
+                warpgroup.wait_group(0)  # the tile's last stage is freed by the next tile's first step
+                consumed += k_tiles
+                self._epilogue(acc, mC, m_blk, n_blk, wg, warp, lane, expert, w_gscale, act_gscale)
+                tile += grid_x
+            if consumed > 0:
+                ab_pipe.consumer_release(self._ring_state(consumed - 1))
+
+    def _ring_state(self, n):
+        """The consumer state of the n-th K tile taken from the ring (phase flips at each wrap)."""
+        return pipeline.PipelineState(self.ab_stages, n, n % self.ab_stages, (n // self.ab_stages) & 1)
+
+    def _k_step(self, ab_pipe, n, tiled_mma, acc, frag, frag_words, tCrB, data_base, scale_base, offsets):
+        """K tile number ``n`` of the ring: convert into ``frag`` (its previous reader, WGMMA n-2, is
+        done: ``wait_group(1)`` after WGMMA n-1), WGMMA from registers, then wait for WGMMA n-1."""
+        state = self._ring_state(n)
+        ab_pipe.consumer_wait(state)
+        self._load_fragment(
+            data_base + state.index * self.data_stage_bytes,
+            scale_base + state.index * self.scale_stage_bytes,
+            frag_words,
+            offsets,
+        )
+        warpgroup.fence()
+        for kb in range(self.tile_k // 16):
+            cute.gemm(tiled_mma, acc, frag[(None, None, kb)], tCrB[(None, None, kb, state.index)], acc)
+        warpgroup.commit_group()
+        warpgroup.wait_group(1)
+
+    def _lane_offsets(self, wg, warp, lane):
+        """Per-thread shared-memory offsets, constant over the kernel.
+
+        ``ldmatrix``: lane l addresses row ``l % 8`` of matrix ``l // 8``; matrix m is row half
+        ``m % 2`` and data segment ``seg0 + m // 2`` (MXFP8 seg0 = 2p for the p-th load of an atom,
+        NVFP4 seg0 = 0). Rows of one matrix are 8 consecutive rows from a multiple of 8, so the
+        segment swizzle (``weights.segment_swizzle``) depends on ``l % 8`` only.
+        Scales: the lane's own fragment rows (row ``lane // 4`` of each 8-row group)."""
+        d = self.data_bytes
+        row_in = lane & 7
+        mat = lane >> 3
+        wrow = wg * self.wg_rows + warp * (self.groups * 8)
+        ld_row = wrow + row_in + (mat & 1) * self.half_stride
+        swz = (row_in // (128 // d)) % self.segs
+        loads = 2 if self.fmt == constants.FMT_MXFP8 else 1
+        seg0 = [2 * p if loads == 2 else 0 for p in range(loads)]
+        ld_base = [ld_row * d + ((s + (mat >> 1)) ^ swz) * constants.QUANT_SEGMENT_BYTES for s in seg0]
+        scale_row = (wrow + (lane >> 2)) * self.scales_per_tile
+        return ld_base, scale_row
+
+    def _load_fragment(self, data_stage, scale_stage, frag_words, offsets) -> None:
+        """Packed data and scales of one K tile -> the BF16 A fragment (as 32-bit words: word
+        ``((0, h, v2), a, kb)`` holds row half h, K pair v2 of atom a, K16 block kb)."""
+        ld_base, scale_row = offsets
+        d, spt = self.data_bytes, self.scales_per_tile
+        for a in range(self.atoms):
+            mult = []  # mult[h][block]: BF16 multipliers of the lane's two rows
+            for h in range(2):
+                roff = (a * self.atom_stride + h * self.half_stride) * spt
+                if cutlass.const_expr(self.fmt == constants.FMT_MXFP8):
+                    sc = bq.ld_shared_u16(scale_stage + scale_row + roff)
+                    mult.append([bq.ue8m0_multiplier(sc & cutlass.Uint32(0xFF)), bq.ue8m0_multiplier(sc >> 8)])
+                else:
+                    sc = bq.ld_shared_b32(scale_stage + scale_row + roff)
+                    m01 = bq.e4m3_scale_multipliers(sc & cutlass.Uint32(0xFFFF))
+                    m23 = bq.e4m3_scale_multipliers(sc >> 16)
+                    mult.append([m01[0], m01[1], m23[0], m23[1]])
+            aoff = a * self.atom_stride * d
+            if cutlass.const_expr(self.fmt == constants.FMT_MXFP8):
+                for p in range(2):  # K16 blocks 2p, 2p+1 (one 32-block: scale p)
+                    regs = bq.ldmatrix_x4(data_stage + ld_base[p] + aoff)
+                    for m in range(4):
+                        h, kb = m % 2, 2 * p + m // 2
+                        lo, hi = bq.e4m3x4_to_bf16x4(regs[m], mult[h][p])
+                        frag_words[((0, h, 0), a, kb)] = lo
+                        frag_words[((0, h, 1), a, kb)] = hi
+            else:
+                regs = bq.ldmatrix_x4(data_stage + ld_base[0] + aoff)
+                for m in range(4):
+                    h, s = m % 2, m // 2  # segment s = K16 blocks 2s, 2s+1 = scale blocks 2s, 2s+1
+                    out = bq.e2m1x8_to_bf16x8(regs[m], mult[h][2 * s], mult[h][2 * s + 1])
+                    for byte in range(4):  # byte = (K16 block 2s + byte // 2, K pair v2 = byte % 2)
+                        frag_words[((0, h, byte % 2), a, 2 * s + byte // 2)] = out[byte]
+
+    def _epilogue(self, acc, mC, m_blk, n_blk, wg, warp, lane, expert, w_gscale, act_gscale) -> None:
+        """Accumulator -> activation -> (requantization) -> bf16 stores.
+
+        Accumulator mode 0 is ((2, 2, tok/8)): v0 = column pair, v1 = row half h, j = column group;
+        mode 1 is the atom. Column (token) ``8j + 2q + v0`` with q = lane % 4; lane row i = lane // 4."""
+        if cutlass.const_expr(self.fmt == constants.FMT_NVFP4):
+            alpha = act_gscale[self.gscale_index] * w_gscale[expert] * bq.NVFP4_ACC_SCALE
+            for i in range(cute.size(acc)):
+                acc[i] = acc[i] * alpha
+        q = lane & 3
+        i = lane >> 2
+        odd_i = i & 1
+        odd = odd_i == 1
+        feat0 = (n_blk * self.num_wg + wg) * self.wg_out + warp * (self.groups * 8) + (i & 6)
+        pair = cute.make_rmem_tensor((1, 2), cutlass.BFloat16)
+        pair_f32 = cute.make_rmem_tensor((1, 2), cutlass.Float32)
+        for j in range(self.tok_tile // 8):
+            cols = []  # per column v0: the lane's value of each group
+            for v0 in range(2):
+                vals = []
+                for a in range(self.atoms):
+                    if cutlass.const_expr(self.gated):
+                        g = acc[((v0, 0, j), a, 0)]
+                        u = acc[((v0, 1, j), a, 0)]
+                        vals.append(activations.gated_act(self.epilogue, g, u, self.limit))
+                    else:
+                        for h in range(2):
+                            v = acc[((v0, h, j), a, 0)]
+                            if cutlass.const_expr(self.epilogue != EPI_PLAIN):
+                                v = activations.plain_act(self.epilogue, v)
+                            vals.append(v)
+                if cutlass.const_expr(self.requant):
+                    vals = self._requant(vals, act_gscale)
+                cols.append(vals)
+            # Lanes i and i ^ 1 (lane ^ 4) trade one column: the even lane stores column v0 = 0 of
+            # features (i, i + 1), the odd lane column v0 = 1.
+            row = m_blk * self.tok_tile + 8 * j + 2 * q + odd_i
+            for g in range(self.groups):
+                send = cutlass.Float32(cutlass.select_(odd, cols[0][g], cols[1][g]))
+                got = cute.arch.shuffle_sync_bfly(send, 4)
+                pair_f32[0, 0] = cutlass.Float32(cutlass.select_(odd, got, cols[0][g]))
+                pair_f32[0, 1] = cutlass.Float32(cutlass.select_(odd, cols[1][g], got))
+                pair.store(pair_f32.load().to(cutlass.BFloat16))
+                cute.autovec_copy(pair, cute.local_tile(mC, (1, 2), (row, (feat0 + g * 8) // 2)))
+
+    def _requant(self, vals: list, act_gscale: cute.Tensor) -> list:
+        """Quantize-dequantize one column's group values along the features, blocks of the format
+        (``QUANT_BLOCK / 8`` groups: in-thread, then the 8 lanes of the column)."""
+        per_block = constants.QUANT_BLOCK[self.fmt] // 8
+        out = []
+        for b in range(len(vals) // per_block):
+            blk = vals[b * per_block : (b + 1) * per_block]
+            amax = bq.block_amax(blk)
+            for x in (4, 8, 16):
+                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, x))
+            if cutlass.const_expr(self.fmt == constants.FMT_MXFP8):
+                out.extend(bq.mxfp8_qdq(blk, amax))
+            else:
+                out.extend(bq.nvfp4_qdq(blk, amax, act_gscale[1]))
+        return out
