@@ -92,6 +92,7 @@ SRC_SYMBOLS: dict[str, SrcSymbol] = {
             "fc1_stages",
             "fc2_stages",
             "swap_ab",
+            "swap_wg",
         ),
         call_params=QUANT_KERNEL_CALL,
     ),

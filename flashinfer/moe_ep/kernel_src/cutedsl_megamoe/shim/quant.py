@@ -24,7 +24,8 @@ from .frontend import Geometry, KernelFrontend, check_glu_geometry
 @dataclass(frozen=True)
 class QuantKnobs:
     """Compile-time knobs of the quantized kernel (all output-neutral). ``swap_ab``: the decode GEMMs
-    (weights dequantized in registers, tokens as WGMMA N); ``tile_m`` is then the token tile."""
+    (weights dequantized in registers, tokens as WGMMA N); ``tile_m`` is then the token tile and
+    ``swap_wg`` the most consumer warpgroups per CTA (1 or 2)."""
 
     tile_m: int = 128
     fc1_tile_n: int = 256
@@ -33,6 +34,7 @@ class QuantKnobs:
     fc2_stages: int | None = None
     num_sms: int = 132
     swap_ab: bool = False
+    swap_wg: int = 2
 
 
 def default_quant_knobs(geometry: Geometry) -> QuantKnobs:
@@ -74,8 +76,8 @@ class QuantFrontend(KernelFrontend):
             if self.gated and k.fc1_tile_n != 256:
                 raise ValueError(f"swap_ab needs gate/up rows interleaved per 256 (fc1_tile_n=256), got {k.fc1_tile_n}")
             g = self.geometry
-            kh.swap_tile_plan(2 * g.intermediate if self.gated else g.intermediate, self.gated)
-            kh.swap_tile_plan(g.hidden, False)
+            kh.swap_tile_plan(2 * g.intermediate if self.gated else g.intermediate, self.gated, k.swap_wg)
+            kh.swap_tile_plan(g.hidden, False, k.swap_wg)
         elif k.tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128 for the {self.fmt} kernel, got {k.tile_m}")
         for n in (k.fc1_tile_n, k.fc2_tile_n):
@@ -95,6 +97,7 @@ class QuantFrontend(KernelFrontend):
             fc1_stages=k.fc1_stages,
             fc2_stages=k.fc2_stages,
             swap_ab=k.swap_ab,
+            swap_wg=k.swap_wg,
         )
         return kh.export_moe_quant(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)
 

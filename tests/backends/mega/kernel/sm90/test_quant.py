@@ -139,16 +139,17 @@ def test_config_validation() -> None:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_buckets_share_the_weight_layout(fmt: str) -> None:
     fes = bucket_frontends(CONFIG[fmt](256, 128, 8, 2), 8)
-    assert list(fes) == [name for name, _, _ in BUCKETS[fmt]]
-    names = [name for name, _, _ in BUCKETS[fmt]]
-    for i, (name, top, overrides) in enumerate(BUCKETS[fmt]):
+    assert list(fes) == [name for name, _, _ in BUCKETS]
+    names = [name for name, _, _ in BUCKETS]
+    for i, (name, top, overrides) in enumerate(BUCKETS):
         k = fes[name].knobs
         assert k.swap_ab == bool(overrides.get("swap_ab")) and k.tile_m == overrides.get("tile_m", 128)
+        assert k.swap_wg == overrides.get("swap_wg", 2)
         assert k.fc1_tile_n == fes["prefill"].knobs.fc1_tile_n  # one packed layout
         if top is not None:  # the bucket ends at its top T and the next one starts there
-            assert [token_bucket(t, fmt) for t in (top, top + 1)] == [name, names[i + 1]]
+            assert [token_bucket(t) for t in (top, top + 1)] == [name, names[i + 1]]
     assert len({fe.key.digest() for fe in fes.values()}) == len(fes)
-    assert token_bucket(1, fmt).startswith("swap") and token_bucket(DECODE_MAX_TOKENS + 1, fmt) == "prefill"
+    assert token_bucket(1).startswith("swap") and token_bucket(DECODE_MAX_TOKENS + 1) == "prefill"
     explicit = bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 128}), 8)
     assert len({id(fe) for fe in explicit.values()}) == 1
 
@@ -163,6 +164,8 @@ def test_swap_bucket_falls_back_where_the_swap_kernel_does_not_fit(fmt: str) -> 
         bucket_frontends(CONFIG[fmt](256, 192, 8, 2, knobs={"tile_m": 16, "swap_ab": True}), 8)
     with pytest.raises(MoEEpConfigError, match="with swap_ab, tile_m must be one of"):
         bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 64, "swap_ab": True}), 8)
+    with pytest.raises(MoEEpConfigError, match="1 or 2 consumer warpgroups"):
+        bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 16, "swap_ab": True, "swap_wg": 3}), 8)
 
 
 def test_format_is_part_of_the_cache_key() -> None:
@@ -200,8 +203,8 @@ def test_build_every_default_variant_for_sm90a(fmt: str, tmp_path: Path, capsys)
         c.num_experts).values()}  # fmt: skip
     # every bucket of every contract; gpt-oss-120b (H = 2880) and nemotron-relu2 (I = 1856) are not
     # multiples of 128, so their swap buckets are their decode kernel
-    swaps = sum(1 for name, _, o in BUCKETS[fmt] if o.get("swap_ab"))
-    assert len(keys) == len(want) == len(BUCKETS[fmt]) * len(CONTRACTS) - 2 * swaps
+    swaps = sum(1 for name, _, o in BUCKETS if o.get("swap_ab"))
+    assert len(keys) == len(want) == len(BUCKETS) * len(CONTRACTS) - 2 * swaps
     for name, c in CONTRACTS.items():
         cfg = CONFIG[fmt](c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit)
         for fe in bucket_frontends(cfg, c.num_experts).values():

@@ -81,6 +81,12 @@ GPU_VARIANTS = [
     (f"{fmt}-small-swiglu-swap", fmt, {**SMALL, "activation": "swiglu", "activation_limit": None,
                                        "knobs": {"tile_m": 16 if fmt == "mxfp8" else 32, "swap_ab": True}})
     for fmt in FORMATS
+] + [
+    # swap-AB with one consumer warpgroup per CTA where two would fit (FC1 512 rows, H 512)
+    (f"{fmt}-small512-swiglu-wg1", fmt, {**SMALL, "hidden_size": 512, "intermediate_size": 256,
+                                         "activation": "swiglu", "activation_limit": None,
+                                         "knobs": {"tile_m": 32, "swap_ab": True, "swap_wg": 1}})
+    for fmt in FORMATS
 ]  # fmt: skip
 
 _layers: dict[str, tuple] = {}

@@ -27,7 +27,7 @@ from .runtime import (
     warmup_forward,
 )
 
-_KNOB_FIELDS = ("tile_m", "fc1_tile_n", "fc2_tile_n", "fc1_stages", "fc2_stages", "num_sms", "swap_ab")
+_KNOB_FIELDS = ("tile_m", "fc1_tile_n", "fc2_tile_n", "fc1_stages", "fc2_stages", "num_sms", "swap_ab", "swap_wg")
 
 
 @dataclass(frozen=True)
@@ -35,9 +35,9 @@ class Sm90BlockScaledConfig(MegaKernelConfig):
     """Base of the SM90 block-scaled configs.
 
     ``knobs``: ``None`` (defaults: the widest N tiles; per token bucket, measured on the H200,
-    TUNING.md, ``BUCKETS``: the swap-AB GEMMs up to T = 512 (16 or 32-token tiles), 64-row M tiles up
-    to ``DECODE_MAX_TOKENS`` (1024), 128-row ones above)
-    or a mapping of compile-time knobs for every T (``tile_m`` 64/128, or 16/32 with ``swap_ab``;
+    TUNING.md, ``BUCKETS``: the swap-AB GEMMs up to T = 512 (16 or 32-token tiles; one consumer
+    warpgroup per CTA at T = 1), 64-row M tiles up to ``DECODE_MAX_TOKENS`` (1024), 128-row ones above)
+    or a mapping of compile-time knobs for every T (``tile_m`` 64/128, or 16/32 with ``swap_ab`` and ``swap_wg`` 1/2;
     ``fc1_tile_n``, ``fc2_tile_n``, ``fc1_stages``, ``fc2_stages``, ``num_sms``). Hidden and
     intermediate sizes must be multiples of 64. World size 1.
     """
@@ -136,7 +136,7 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
         t = staged.hidden_states.shape[0]
         if t == 0:
             return output
-        bucket = token_bucket(t, self.fmt)  # a host-side shape: no device sync
+        bucket = token_bucket(t)  # a host-side shape: no device sync
         frontend = self.frontends[bucket]
         load_kernel(frontend)
         assert self.act_gscale is not None
@@ -157,37 +157,34 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
         self.workspace = {}
 
 
-#: Token buckets per weight format, in order: (name, largest T, knobs over the defaults). Measured on
-#: the H200 (TUNING.md, session 6 runs 1-2, qwen3-30b-a3b and deepseek-v3, T = 16 to 1024):
-#: - ``swap16`` / ``swap32``: the swap-AB GEMMs (weights dequantized in registers) with 16 / 32-token
-#:   tiles. They beat 64-row tiles at every T <= 512 but one (MXFP8 qwen3-30b-a3b T = 512: 7 % slower;
-#:   deepseek-v3 there 29 % faster). MXFP8: 32-token tiles as fast as 16 up to T = 128, up to 27 %
-#:   faster above. NVFP4: 16-token tiles 11-13 % faster at T = 128, 32 faster from 512 (mixed at 256).
+#: Token buckets, in order: (name, largest T, knobs over the defaults). Measured on the H200 (TUNING.md,
+#: session 6 runs 1, 2, 5 and 6; qwen3-30b-a3b, qwen3-235b-a22b, deepseek-v3, MXFP8 and NVFP4):
+#: - ``swap1``: swap-AB with one consumer warpgroup per CTA (256-row tiles: twice the CTAs for the
+#:   8 experts of one token): 17-32 % faster than two at T = 1 on all three contracts in both formats
+#:   (CUDA graphs); at T = 2 and 4 the winner changes with the contract.
+#: - ``swap16`` / ``swap32``: swap-AB (weights dequantized in registers) with 16 / 32-token tiles and
+#:   two warpgroups. Swap-AB beats 64-row tiles at every T <= 512 but one (MXFP8 qwen3-30b-a3b
+#:   T = 512: 7 % slower; deepseek-v3 there 29 % faster). 16-token tiles are 3-13 % faster than 32 at
+#:   T = 64 and 128, 32 faster from 512 (mixed at 256).
 #: - ``decode``: 64-row tiles (half the activation bytes of 128 per K tile; the second consumer
 #:   warpgroup still converts); they beat swap-AB at T = 1024 and 128-row tiles at every T from 128 to
 #:   1024 (session 3 run 10), losing to them on the qwen3 contracts at 2048.
 #: - ``prefill``: 128-row tiles.
-BUCKETS = {
-    "mxfp8": (
-        ("swap32", 512, {"tile_m": 32, "swap_ab": True}),
-        ("decode", 1024, {"tile_m": 64}),
-        ("prefill", None, {}),
-    ),
-    "nvfp4": (
-        ("swap16", 128, {"tile_m": 16, "swap_ab": True}),
-        ("swap32", 512, {"tile_m": 32, "swap_ab": True}),
-        ("decode", 1024, {"tile_m": 64}),
-        ("prefill", None, {}),
-    ),
-}
+BUCKETS = (
+    ("swap1", 1, {"tile_m": 16, "swap_ab": True, "swap_wg": 1}),
+    ("swap16", 128, {"tile_m": 16, "swap_ab": True}),
+    ("swap32", 512, {"tile_m": 32, "swap_ab": True}),
+    ("decode", 1024, {"tile_m": 64}),
+    ("prefill", None, {}),
+)
 DECODE, PREFILL = "decode", "prefill"
 #: Largest T of the 64-row bucket.
 DECODE_MAX_TOKENS = 1024
 
 
-def token_bucket(t: int, fmt: str) -> str:
+def token_bucket(t: int) -> str:
     """The bucket serving ``t`` tokens (a host-side shape: no device sync)."""
-    return next(name for name, top, _ in BUCKETS[fmt] if top is None or t <= top)
+    return next(name for name, top, _ in BUCKETS if top is None or t <= top)
 
 
 #: the drop frontend of each weight format
@@ -195,10 +192,10 @@ FRONTENDS = {"mxfp8": "Mxfp8Frontend", "nvfp4": "Nvfp4Frontend"}
 
 
 def bucket_frontends(config: Sm90BlockScaledConfig, num_local_experts: int) -> dict[str, Any]:
-    """One frontend per bucket of ``BUCKETS[format]``; explicit knobs serve every T with one frontend.
+    """One frontend per bucket of ``BUCKETS``; explicit knobs serve every T with one frontend.
     Where the swap-AB GEMMs cannot serve the geometry (``QuantFrontend.check``: sizes not multiples of
     128, gate/up not interleaved per 256), the decode frontend serves the swap buckets too."""
-    buckets = BUCKETS[config.weight_format]
+    buckets = BUCKETS
     if config.knobs:
         one = make_frontend(config, num_local_experts)
         return {name: one for name, _, _ in buckets}

@@ -25,11 +25,14 @@ def max_rows(max_tokens: int, top_k: int, num_experts: int, tile_m: int, cluster
     return round_up(pairs + min(num_experts, pairs) * (tile_m - 1), tile_m * cluster_m)
 
 
-def swap_tile_plan(rows: int, gated: bool) -> tuple[int, int]:
+def swap_tile_plan(rows: int, gated: bool, max_wg: int = 2) -> tuple[int, int]:
     """(WGMMA atoms of 64 weight rows per warpgroup, warpgroups per CTA) of the swap-AB decode GEMM
     (``moe_quant_glu.swap_gemm``) over a weight matrix of ``rows`` rows. A gated FC1 takes one
     256-row gate/up block per warpgroup (the weights must be interleaved per 256 rows); other
-    matrices 256 rows, or 128 when 256 does not divide ``rows``. Two warpgroups when they divide."""
+    matrices 256 rows, or 128 when 256 does not divide ``rows``. Two warpgroups when they divide and
+    ``max_wg`` allows (one: twice the CTA tiles, for few tokens where tiles are scarce)."""
+    if max_wg not in (1, 2):
+        raise ValueError(f"the swap-AB kernel takes 1 or 2 consumer warpgroups per CTA, got {max_wg}")
     if gated:
         if rows % 256:
             raise ValueError(f"the swap-AB kernel needs gated FC1 rows (2 * I = {rows}) to be a multiple of 256")
@@ -39,7 +42,7 @@ def swap_tile_plan(rows: int, gated: bool) -> tuple[int, int]:
             raise ValueError(f"the swap-AB kernel needs {rows} rows to be a multiple of 128")
         atoms = 4 if rows % 256 == 0 else 2
     wg_rows = 64 * atoms
-    return atoms, 2 if rows % (2 * wg_rows) == 0 else 1
+    return atoms, 2 if max_wg == 2 and rows % (2 * wg_rows) == 0 else 1
 
 
 def moe_bf16_workspace_spec(

@@ -34,6 +34,8 @@ class Sm90MegaMoEQuantKernel:
         follow ``common.host_utils.swap_tile_plan``) but needs gate/up interleaved per 256 rows.
     :param swap_ab: the decode GEMMs (``swap_gemm``): weights as the WGMMA A operand, dequantized in
         registers; tokens as N.
+    :param swap_wg: consumer warpgroups per CTA of the swap-AB GEMMs at most (1: CTA tiles of 256
+        weight rows instead of 512, twice as many tiles for few tokens).
     :param num_sms, fc1_stages, fc2_stages, use_pdl, aux_vpt: as the BF16 kernel.
     """
 
@@ -53,6 +55,7 @@ class Sm90MegaMoEQuantKernel:
         probe: int = 0,
         bf_buffers: int = 3,
         swap_ab: bool = False,
+        swap_wg: int = 2,
     ) -> None:
         if fmt not in constants.QUANT_FORMATS:
             raise ValueError(f"unknown format {fmt!r}")
@@ -73,8 +76,12 @@ class Sm90MegaMoEQuantKernel:
         self.use_pdl = use_pdl
         self.aux_vpt = aux_vpt
         if swap_ab:
-            self.fc1 = SwapDequantGemmSm90(fmt, tile_m, activation, limit, num_sms, fc1_stages, requant=True)
-            self.fc2 = SwapDequantGemmSm90(fmt, tile_m, "plain", None, num_sms, fc2_stages, gscale_index=1)
+            self.fc1 = SwapDequantGemmSm90(
+                fmt, tile_m, activation, limit, num_sms, fc1_stages, requant=True, max_wg=swap_wg
+            )
+            self.fc2 = SwapDequantGemmSm90(
+                fmt, tile_m, "plain", None, num_sms, fc2_stages, gscale_index=1, max_wg=swap_wg
+            )
             return
         self.fc1 = DequantGroupedGemmSm90(
             fmt,

@@ -60,6 +60,7 @@ class SwapDequantGemmSm90:
         ab_stages: int | None = None,
         requant: bool = False,
         gscale_index: int = 0,
+        max_wg: int = 2,
     ) -> None:
         if fmt not in constants.QUANT_FORMATS:
             raise ValueError(f"unknown format {fmt!r}")
@@ -74,6 +75,7 @@ class SwapDequantGemmSm90:
         self.ab_stages_override = ab_stages
         self.requant = requant
         self.gscale_index = gscale_index
+        self.max_wg = max_wg
         self.tile_k = constants.TILE_K
         self.data_bytes = constants.QUANT_DATA_BYTES[fmt]
         self.scales_per_tile = constants.QUANT_SCALES_PER_TILE[fmt]
@@ -85,7 +87,7 @@ class SwapDequantGemmSm90:
 
     # ---------------------------------------------------------------- host-side setup (traced)
     def _setup(self, rows: int) -> None:
-        self.atoms, self.num_wg = swap_tile_plan(rows, self.gated)
+        self.atoms, self.num_wg = swap_tile_plan(rows, self.gated, self.max_wg)
         self.wg_rows = 64 * self.atoms
         self.cta_rows = self.num_wg * self.wg_rows
         self.groups = self.atoms if self.gated else 2 * self.atoms  # 8-feature groups per warp

@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""Per-kernel GPU time of one layer forward (world size 1), from the torch profiler.
+
+Shows where a forward's device time goes (routing, gather, FC1, FC2, combine) for a backend, a
+contract, token counts and optional knobs. Random weights and inputs (never zeros); NVFP4 with static
+activation scales calibrated as the bench does. GPU machine, prebuilt kernel cache:
+
+    source .gpu/env.sh && FLASHINFER_MOE_EP_KERNEL_CACHE=.kcache python scripts/layer_profile.py \\
+        --contract qwen3-30b-a3b --backend sm90_mxfp8_mxfp8_bf16_cutedsl --tokens 16 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import flashinfer.moe_ep as moe
+from flashinfer.moe_ep.cli.backends import choose_backend
+from flashinfer.moe_ep.cli.bench import _quantized_pack
+from flashinfer.moe_ep.core.contracts import get_contract
+from flashinfer.moe_ep.core.inputs import make_expert_weights, make_hidden_states, make_topk
+from flashinfer.moe_ep.core.reference_quant import nvfp4_static_scales
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--contract", required=True)
+    p.add_argument("--backend", required=True)
+    p.add_argument("--tokens", type=int, nargs="+", required=True)
+    p.add_argument("--knobs", default=None, help="JSON knobs for the backend config")
+    p.add_argument("--iters", type=int, default=10)
+    args = p.parse_args()
+
+    c = get_contract(args.contract)
+    dev = torch.device("cuda")
+    entry, _ = choose_backend(args.backend, dev)
+    wgen = torch.Generator(device=dev).manual_seed(7)  # weights drawn on the GPU (deepseek-v3: 22.5 GB)
+    gen = torch.Generator().manual_seed(7)  # inputs: the CPU generator the input helpers take
+    w13, w2 = make_expert_weights(c.num_experts, c.hidden_size, c.intermediate_size, c.activation, generator=wgen,
+                                  device=dev)  # fmt: skip
+    extra = {}
+    if entry.weight_format in ("mxfp8", "nvfp4"):
+        q, pack = _quantized_pack(w13, w2, entry.weight_format)
+        if entry.weight_format == "nvfp4":
+            calib = make_hidden_states(256, c.hidden_size, generator=gen, device=dev)
+            gs1, gs2 = nvfp4_static_scales(calib, q, c.activation, c.activation_limit)
+            extra = {"input_global_scale": gs1, "fc2_input_global_scale": gs2}
+    else:
+        pack = moe.MoEWeightPack(w13, w2)
+    knobs = json.loads(args.knobs) if args.knobs else None
+    config = entry.load_config_class()(c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation,
+                                       c.activation_limit, knobs, **extra)  # fmt: skip
+    layer = moe.MoEEpLayer(moe.BootstrapConfig(device=dev), moe.FleetParams(c.num_experts, max(args.tokens),
+                           c.hidden_size), pack, backend=moe.MegaConfig(config), check_values=False)  # fmt: skip
+    layer.warmup()
+    for t in args.tokens:
+        x = make_hidden_states(t, c.hidden_size, generator=gen, device=dev)
+        ids, w = make_topk(t, c.num_experts, c.top_k, generator=gen, device=dev)
+        inp = moe.MoEEpTensors(x, ids, w)
+        for _ in range(3):
+            layer.forward(inp)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.iters):
+                layer.forward(inp)
+            torch.cuda.synchronize()
+        per_kernel: dict[str, float] = defaultdict(float)
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                per_kernel[ev.name[:60]] += ev.device_time_total / args.iters
+        total = sum(per_kernel.values())
+        print(f"{args.contract} {entry.kernel_name} T={t} knobs={args.knobs}: {total / 1000:.3f} ms of kernels")
+        for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1]):
+            print(f"  {us:9.1f} us  {name}")
+    layer.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
