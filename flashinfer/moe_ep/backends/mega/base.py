@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 
 from ...config import BootstrapConfig, FleetParams, MegaKernelConfig, MoEEpTensors, MoEWeightPack
-from ...core.reference_quant import QuantizedExpertWeights
+from ...core.reference_quant import QuantizedExpertWeights, quantize_expert_weights
 from ...core.validation import check_expert_weights
 from ...errors import MoEEpBackendUnavailableError, MoEEpConfigError, MoEEpInputError
 
@@ -113,26 +113,37 @@ class MegaKernelBackend(abc.ABC):
 
     def check_quantized_weights(self, weights: MoEWeightPack, fmt: str) -> QuantizedExpertWeights:
         """For backends taking MXFP8 / NVFP4 packs: the scales are there (NVFP4: the global scales too),
-        then shapes, dtypes and device of every tensor (``QuantizedExpertWeights.check``)."""
+        then shapes, dtypes and device of every tensor (``QuantizedExpertWeights.check``).
+
+        A pack of unquantized weights (bf16 / fp16 / fp32, no scale at all) is quantized here, once, with
+        ``core.reference_quant.quantize_expert_weights`` (NVFP4: one global scale per expert and matrix)."""
         c = self.config
-        missing = [n for n in ("w13_scale", "w2_scale") if getattr(weights, n) is None]
-        if fmt == "nvfp4":
-            missing += [n for n in ("w13_global_scale", "w2_global_scale") if getattr(weights, n) is None]
-        if missing:
-            raise MoEEpInputError(
-                f"{c.kernel_name} with {fmt} weights needs their scales; missing: "
-                f"{', '.join('weights.' + n for n in missing)} "
-                "(quantize BF16 weights with flashinfer.moe_ep.core.reference_quant.quantize_expert_weights)"
-            )
-        q = QuantizedExpertWeights(
-            fmt,
-            weights.w13,
-            weights.w13_scale,  # type: ignore[arg-type]
-            weights.w2,
-            weights.w2_scale,  # type: ignore[arg-type]
-            weights.w13_global_scale,
-            weights.w2_global_scale,
+        scale_names = ("w13_scale", "w2_scale", "w13_global_scale", "w2_global_scale")
+        floats = (torch.bfloat16, torch.float16, torch.float32)
+        unquantized = all(getattr(weights, n) is None for n in scale_names) and all(
+            isinstance(w, torch.Tensor) and w.dtype in floats for w in (weights.w13, weights.w2)
         )
+        if unquantized:
+            q = quantize_expert_weights(weights.w13, weights.w2, fmt)
+        else:
+            missing = [n for n in ("w13_scale", "w2_scale") if getattr(weights, n) is None]
+            if fmt == "nvfp4":
+                missing += [n for n in ("w13_global_scale", "w2_global_scale") if getattr(weights, n) is None]
+            if missing:
+                raise MoEEpInputError(
+                    f"{c.kernel_name} with {fmt} weights needs their scales; missing: "
+                    f"{', '.join('weights.' + n for n in missing)} (or pass unquantized weights without scales: "
+                    "they are quantized at preprocessing)"
+                )
+            q = QuantizedExpertWeights(
+                fmt,
+                weights.w13,
+                weights.w13_scale,  # type: ignore[arg-type]
+                weights.w2,
+                weights.w2_scale,  # type: ignore[arg-type]
+                weights.w13_global_scale,
+                weights.w2_global_scale,
+            )
         q.check(
             num_local_experts=self.num_local_experts,
             fc1_rows=c.fc1_rows,

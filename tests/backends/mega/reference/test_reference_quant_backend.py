@@ -131,12 +131,25 @@ def test_ep_world2_equals_single_process(fmt: str, act: str, tokens_per_rank: li
 # ----------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_unquantized_pack_is_quantized_at_preprocessing(fmt: str) -> None:
+    """BF16 weights without scales: the layer quantizes them once (``quantize_expert_weights``), so it
+    computes exactly what the explicitly quantized pack computes."""
+    w13, w2, x, ids, w = _inputs(3, 7)
+    q = quantize_expert_weights(w13, w2, fmt)
+    inp = moe.MoEEpTensors(x, ids, w)
+    got = _layer(moe.MoEWeightPack(w13, w2), _config(fmt)).forward(inp)
+    want = _layer(_pack(q), _config(fmt)).forward(inp)
+    assert torch.equal(got, want)
+
+
 def test_bad_packs_raise() -> None:
     w13, w2, x, ids, w = _inputs(1, 4)
     m = quantize_expert_weights(w13, w2, "mxfp8")
     n = quantize_expert_weights(w13, w2, "nvfp4")
     cases = [
-        ("mxfp8", moe.MoEWeightPack(w13, w2), "missing: weights.w13_scale, weights.w2_scale"),
+        ("mxfp8", moe.MoEWeightPack(m.w13, m.w2), "missing: weights.w13_scale, weights.w2_scale"),
+        ("mxfp8", moe.MoEWeightPack(w13, w2, w13_scale=m.w13_scale), "missing: weights.w2_scale"),
         ("nvfp4", dataclasses.replace(_pack(n), w2_global_scale=None), "missing: weights.w2_global_scale"),
         ("mxfp8", _pack(n), "weights.w13 must have shape"),
         ("nvfp4", _pack(m), "missing: weights.w13_global_scale"),

@@ -154,6 +154,19 @@ def test_buckets_share_the_weight_layout(fmt: str) -> None:
     assert len({id(fe) for fe in explicit.values()}) == 1
 
 
+def test_swap_tile_plan() -> None:
+    """(atoms of 64 weight rows per warpgroup, warpgroups per CTA) of the swap-AB GEMMs."""
+    plan = kh.swap_tile_plan
+    assert plan(4096, True) == (4, 2) and plan(1536, True) == (4, 2) and plan(256, True) == (4, 1)
+    assert plan(7168, False) == (4, 2) and plan(2048, False, 1) == (4, 1)  # swap_wg=1: 256-row CTAs
+    assert plan(128, False) == (2, 1) and plan(384, False) == (2, 1) and plan(768, False) == (4, 1)
+    for rows, gated in ((384, True), (192, False), (2880, False)):
+        with pytest.raises(ValueError, match="multiple of"):
+            plan(rows, gated)
+    with pytest.raises(ValueError, match="1 or 2 consumer warpgroups"):
+        plan(256, False, 3)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_swap_bucket_falls_back_where_the_swap_kernel_does_not_fit(fmt: str) -> None:
     """I = 192: 2I = 384 rows are not interleaved per 256 (fc1_tile_n 128), so the swap-AB GEMMs

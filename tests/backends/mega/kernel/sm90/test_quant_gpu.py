@@ -216,3 +216,29 @@ def test_layers_of_one_geometry_share_one_workspace(fmt: str) -> None:
         assert all(mine[k].data_ptr() == theirs[k].data_ptr() for k in mine), bucket
     other.destroy()  # releases its reference only: the first layer keeps working
     _check(name, _inputs(cfg, 300, "uniform", seed=11))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_unquantized_weights_are_quantized_at_preprocessing(fmt: str) -> None:
+    """A pack of BF16 weights without scales gives the same output bits as the pack quantized
+    beforehand with ``quantize_expert_weights`` (the backend quantizes it once, the same way)."""
+    g = torch.Generator().manual_seed(31)
+    geometry = {**SMALL, "activation": "swiglu", "activation_limit": None}
+    w13, w2 = make_expert_weights(SMALL["num_experts"], SMALL["hidden_size"], SMALL["intermediate_size"], "swiglu",
+                                  generator=g, device="cuda")  # fmt: skip
+    q = quantize_expert_weights(w13, w2, fmt)
+    calib = make_hidden_states(256, SMALL["hidden_size"], generator=g, device="cuda")
+    scales = calibrated_scales(fmt, geometry, q, calib)
+    cfg = _config(fmt, geometry, **scales)
+    packs = [
+        moe.MoEWeightPack(q.w13, q.w2, q.w13_scale, q.w2_scale, q.w13_global_scale, q.w2_global_scale),
+        moe.MoEWeightPack(w13, w2),
+    ]
+    inp = _inputs(cfg, 64, "uniform", seed=32)
+    outs = []
+    for pack in packs:
+        fleet = moe.FleetParams(cfg.num_experts, 64, cfg.hidden_size)
+        layer = moe.MoEEpLayer(moe.BootstrapConfig(device="cuda"), fleet, pack, backend=moe.MegaConfig(cfg))
+        outs.append(layer.forward(inp))
+        layer.destroy()
+    assert not bool(outs[0].isnan().any()) and torch.equal(outs[0], outs[1])
