@@ -152,8 +152,11 @@ def build_ep(cache: Path, worlds: tuple[int, ...]) -> None:
             g["hidden_size"], g["intermediate_size"], g["experts_per_rank"] * world, g["top_k"]
         )
         geometry = tuning.make_geometry(cfg, cfg.num_experts)
-        for knobs in drop.ep_candidates(geometry, world, 1):  # the defaults first; all: the knobs="auto" test
-            lib = drop.Bf16EpFrontend(geometry, knobs).build(cache)
+        # every bucket's candidates (the knobs="auto" test tunes each bucket with its own dispatch)
+        for bucket in ep_tuning.ep_buckets(world, SM90_EP_MAX_TOKENS):
+            for knobs in drop.ep_candidates(geometry, world, 1, bucket.name):
+                lib = drop.Bf16EpFrontend(geometry, knobs).build(cache)
+        build_layer(geometry, world, 1, None, SM90_EP_MAX_TOKENS)  # the default layer (pull buckets)
         build_layer(geometry, world, 1, {"dispatch": "push"}, SM90_EP_MAX_TOKENS)
         print(f"multirank SM90 EP test, world {world}: {lib.name} and the other autotune candidates", flush=True)
     # scripts/ep_bench.py (issue #8): the bench contracts' EP kernels, one GPU per rank
@@ -171,7 +174,11 @@ def build_ep(cache: Path, worlds: tuple[int, ...]) -> None:
             libs += build_layer(geometry, world, 1, {"dispatch": "push"}, EP_BENCH_MAX_TOKENS)
             print(f"EP bench {name}, world {world} (pull, push): {', '.join(libs)}", flush=True)
         for world in sorted(set(EP_TUNE_WORLDS) & set(worlds)):  # ep_bench.py --knobs auto / explicit tiles
-            cands = drop.ep_candidates(geometry, world, 1)
+            cands = {
+                k: None
+                for bucket in ep_tuning.ep_buckets(world, EP_BENCH_MAX_TOKENS)
+                for k in drop.ep_candidates(geometry, world, 1, bucket.name)
+            }
             for knobs in cands:
                 drop.Bf16EpFrontend(geometry, knobs).build(cache)
             print(f"EP bench {name}, world {world}: {len(cands)} autotune candidates", flush=True)
