@@ -137,9 +137,13 @@ def build_ep(cache: Path, worlds: tuple[int, ...]) -> None:
     for world, knobs in EP_CASES:
         libs = build_layer(ep_geometry, world, world, knobs, EP_MAX_TOKENS)
         print(f"EP layer test, {world} loopback ranks, knobs {knobs}: {', '.join(libs)}", flush=True)
-    from tests.backends.mega.kernel.sm90.test_bf16_ep_layer_gpu import EP_AUTO_WORLD
+    from tests.backends.mega.kernel.sm90.test_bf16_ep_layer_gpu import EP_AUTO_MAX_TOKENS, EP_AUTO_WORLD
 
-    cands = drop.ep_candidates(ep_geometry, EP_AUTO_WORLD, EP_AUTO_WORLD)
+    cands = {  # every bucket's candidates: knobs="auto" tunes each bucket with its own dispatch
+        k: None
+        for bucket in ep_tuning.ep_buckets(EP_AUTO_WORLD, EP_AUTO_MAX_TOKENS)
+        for k in drop.ep_candidates(ep_geometry, EP_AUTO_WORLD, EP_AUTO_WORLD, bucket.name)
+    }
     for knobs in cands:
         drop.Bf16EpFrontend(ep_geometry, knobs).build(cache)
     print(f"EP layer test knobs='auto', {EP_AUTO_WORLD} loopback ranks: {len(cands)} candidates", flush=True)
