@@ -129,6 +129,14 @@ def build_ep(cache: Path, worlds: tuple[int, ...]) -> None:
         )
         return [fe.build(cache).name for fe in tuning.distinct(fronts.values())]
 
+    def build_candidates(geometry, world: int, ranks_per_gpu: int, max_tokens: int) -> int:
+        """Every knob set ``knobs="auto"`` tries for a layer of this capacity (each bucket's own)."""
+        per_bucket = ep_tuning.autotune_candidates(geometry, world, ranks_per_gpu, max_tokens)
+        cands = dict.fromkeys(k for ks in per_bucket.values() for k in ks)
+        for knobs in cands:
+            drop.Bf16EpFrontend(geometry, knobs).build(cache)
+        return len(cands)
+
     # the EP layer test (loopback ranks; the EP kernel takes the global expert count)
     from tests.backends.mega.kernel.sm90.test_bf16_ep_layer_gpu import EP_CASES, EP_GEOMETRY, EP_MAX_TOKENS
 
@@ -139,14 +147,8 @@ def build_ep(cache: Path, worlds: tuple[int, ...]) -> None:
         print(f"EP layer test, {world} loopback ranks, knobs {knobs}: {', '.join(libs)}", flush=True)
     from tests.backends.mega.kernel.sm90.test_bf16_ep_layer_gpu import EP_AUTO_MAX_TOKENS, EP_AUTO_WORLD
 
-    cands = {  # every bucket's candidates: knobs="auto" tunes each bucket with its own dispatch
-        k: None
-        for bucket in ep_tuning.ep_buckets(EP_AUTO_WORLD, EP_AUTO_MAX_TOKENS)
-        for k in drop.ep_candidates(ep_geometry, EP_AUTO_WORLD, EP_AUTO_WORLD, bucket.name)
-    }
-    for knobs in cands:
-        drop.Bf16EpFrontend(ep_geometry, knobs).build(cache)
-    print(f"EP layer test knobs='auto', {EP_AUTO_WORLD} loopback ranks: {len(cands)} candidates", flush=True)
+    n = build_candidates(ep_geometry, EP_AUTO_WORLD, EP_AUTO_WORLD, EP_AUTO_MAX_TOKENS)
+    print(f"EP layer test knobs='auto', {EP_AUTO_WORLD} loopback ranks: {n} candidates", flush=True)
     # the torchrun multirank test of the SM90 EP layer (one GPU per rank: ranks_per_gpu 1), for issue #8
     from tests.multirank.test_torchrun import SM90_EP_GEOMETRY, SM90_EP_MAX_TOKENS
 
@@ -156,13 +158,10 @@ def build_ep(cache: Path, worlds: tuple[int, ...]) -> None:
             g["hidden_size"], g["intermediate_size"], g["experts_per_rank"] * world, g["top_k"]
         )
         geometry = tuning.make_geometry(cfg, cfg.num_experts)
-        # every bucket's candidates (the knobs="auto" test tunes each bucket with its own dispatch)
-        for bucket in ep_tuning.ep_buckets(world, SM90_EP_MAX_TOKENS):
-            for knobs in drop.ep_candidates(geometry, world, 1, bucket.name):
-                lib = drop.Bf16EpFrontend(geometry, knobs).build(cache)
-        build_layer(geometry, world, 1, None, SM90_EP_MAX_TOKENS)  # the default layer (pull buckets)
-        build_layer(geometry, world, 1, {"dispatch": "push"}, SM90_EP_MAX_TOKENS)
-        print(f"multirank SM90 EP test, world {world}: {lib.name} and the other autotune candidates", flush=True)
+        n = build_candidates(geometry, world, 1, SM90_EP_MAX_TOKENS)  # the knobs="auto" test
+        libs = build_layer(geometry, world, 1, None, SM90_EP_MAX_TOKENS)  # the default layer (pull buckets)
+        libs += build_layer(geometry, world, 1, {"dispatch": "push"}, SM90_EP_MAX_TOKENS)
+        print(f"multirank SM90 EP test, world {world}: {', '.join(libs)} and {n} autotune candidates", flush=True)
     # scripts/ep_bench.py (issue #8): the bench contracts' EP kernels, one GPU per rank
     from scripts.ep_bench import BENCH_CONTRACTS as EP_BENCH_CONTRACTS
     from scripts.ep_bench import MAX_TOKENS as EP_BENCH_MAX_TOKENS
@@ -178,14 +177,8 @@ def build_ep(cache: Path, worlds: tuple[int, ...]) -> None:
             libs += build_layer(geometry, world, 1, {"dispatch": "push"}, EP_BENCH_MAX_TOKENS)
             print(f"EP bench {name}, world {world} (pull, push): {', '.join(libs)}", flush=True)
         for world in sorted(set(EP_TUNE_WORLDS) & set(worlds)):  # ep_bench.py --knobs auto / explicit tiles
-            cands = {
-                k: None
-                for bucket in ep_tuning.ep_buckets(world, EP_BENCH_MAX_TOKENS)
-                for k in drop.ep_candidates(geometry, world, 1, bucket.name)
-            }
-            for knobs in cands:
-                drop.Bf16EpFrontend(geometry, knobs).build(cache)
-            print(f"EP bench {name}, world {world}: {len(cands)} autotune candidates", flush=True)
+            n = build_candidates(geometry, world, 1, EP_BENCH_MAX_TOKENS)
+            print(f"EP bench {name}, world {world}: {n} autotune candidates", flush=True)
 
 
 #: GPU test files that must run in their own pytest process (they set CUDA environment before CUDA starts)

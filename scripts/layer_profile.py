@@ -23,10 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import flashinfer.moe_ep as moe
 from flashinfer.moe_ep.cli.backends import choose_backend
-from flashinfer.moe_ep.cli.bench import _quantized_pack
+from flashinfer.moe_ep.cli.bench import make_bench_layer
 from flashinfer.moe_ep.core.contracts import get_contract
 from flashinfer.moe_ep.core.inputs import make_expert_weights, make_hidden_states, make_topk
-from flashinfer.moe_ep.core.reference_quant import nvfp4_static_scales
 
 
 def main() -> int:
@@ -45,21 +44,8 @@ def main() -> int:
     gen = torch.Generator().manual_seed(7)  # inputs: the CPU generator the input helpers take
     w13, w2 = make_expert_weights(c.num_experts, c.hidden_size, c.intermediate_size, c.activation, generator=wgen,
                                   device=dev)  # fmt: skip
-    extra = {}
-    if entry.weight_format in ("mxfp8", "nvfp4"):
-        q, pack = _quantized_pack(w13, w2, entry.weight_format)
-        if entry.weight_format == "nvfp4":
-            calib = make_hidden_states(256, c.hidden_size, generator=gen, device=dev)
-            gs1, gs2 = nvfp4_static_scales(calib, q, c.activation, c.activation_limit)
-            extra = {"input_global_scale": gs1, "fc2_input_global_scale": gs2}
-    else:
-        pack = moe.MoEWeightPack(w13, w2)
     knobs = json.loads(args.knobs) if args.knobs else None
-    config = entry.load_config_class()(c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation,
-                                       c.activation_limit, knobs, **extra)  # fmt: skip
-    layer = moe.MoEEpLayer(moe.BootstrapConfig(device=dev), moe.FleetParams(c.num_experts, max(args.tokens),
-                           c.hidden_size), pack, backend=moe.MegaConfig(config), check_values=False)  # fmt: skip
-    layer.warmup()
+    layer, _, _ = make_bench_layer(c, entry, w13, w2, knobs, max(args.tokens), gen)
     for t in args.tokens:
         x = make_hidden_states(t, c.hidden_size, generator=gen, device=dev)
         ids, w = make_topk(t, c.num_experts, c.top_k, generator=gen, device=dev)
@@ -74,11 +60,12 @@ def main() -> int:
         per_kernel: dict[str, float] = defaultdict(float)
         for ev in prof.events():
             if ev.device_type == torch.autograd.DeviceType.CUDA:
-                per_kernel[ev.name[:60]] += ev.device_time_total / args.iters
+                per_kernel[ev.name] += ev.device_time_total / args.iters
         total = sum(per_kernel.values())
         print(f"{args.contract} {entry.kernel_name} T={t} knobs={args.knobs}: {total / 1000:.3f} ms of kernels")
         for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1]):
-            print(f"  {us:9.1f} us  {name}")
+            short = name if len(name) <= 90 else f"{name[:50]}...{name[-37:]}"  # FC1 and FC2 share a long prefix
+            print(f"  {us:9.1f} us  {short}")
     layer.destroy()
     return 0
 

@@ -124,6 +124,44 @@ def _quantized_pack(w13: torch.Tensor, w2: torch.Tensor, fmt: str) -> tuple[Any,
     return q, MoEWeightPack(q.w13, q.w2, q.w13_scale, q.w2_scale, q.w13_global_scale, q.w2_global_scale)
 
 
+def make_bench_layer(
+    c: Any,
+    entry: Any,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    knobs: Any,
+    max_tokens: int,
+    gen: torch.Generator,
+) -> tuple[MoEEpLayer, Any, dict[str, Any]]:
+    """The warmed-up world-size-1 layer of ``entry`` for contract ``c`` on BF16 weights (quantized for
+    MXFP8 / NVFP4; NVFP4 with static activation scales calibrated on a batch drawn from ``gen``).
+    Returns (layer, quantized weights or None, the config's extra fields)."""
+    dev = w13.device
+    fmt = entry.weight_format if entry.weight_format in ("mxfp8", "nvfp4") else "bf16"
+    extra: dict[str, Any] = {}
+    q = None
+    if fmt == "bf16":
+        pack = MoEWeightPack(w13, w2)
+    else:
+        q, pack = _quantized_pack(w13, w2, fmt)
+        if fmt == "nvfp4":
+            calib = make_hidden_states(256, c.hidden_size, generator=gen).to(dev)
+            gs1, gs2 = nvfp4_static_scales(calib, q, c.activation, c.activation_limit)
+            extra = {"input_global_scale": gs1, "fc2_input_global_scale": gs2}
+    config = entry.load_config_class()(
+        c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit, knobs, **extra
+    )
+    layer = MoEEpLayer(
+        BootstrapConfig(device=dev),
+        FleetParams(c.num_experts, max_tokens, c.hidden_size),
+        pack,
+        backend=MegaConfig(config),
+        check_values=False,
+    )
+    layer.warmup()
+    return layer, q, extra
+
+
 def _check_fits(c: Any, fmt: str) -> bool:
     """The quantized reference dequantizes every weight to fp32: skip it when that exceeds 16 GB."""
     return fmt == "bf16" or c.num_experts * c.weight_bytes_per_expert() * 2 <= 16e9
@@ -169,34 +207,7 @@ def bench_contract(
     rows = []
     for entry in entries:
         fmt = entry.weight_format if entry.weight_format in ("mxfp8", "nvfp4") else "bf16"
-        extra: dict[str, Any] = {}
-        q = None
-        if fmt == "bf16":
-            pack = MoEWeightPack(w13, w2)
-        else:
-            q, pack = _quantized_pack(w13, w2, fmt)
-            if fmt == "nvfp4":
-                calib = make_hidden_states(256, c.hidden_size, generator=gen).to(dev)
-                gs1, gs2 = nvfp4_static_scales(calib, q, c.activation, c.activation_limit)
-                extra = {"input_global_scale": gs1, "fc2_input_global_scale": gs2}
-        config = entry.load_config_class()(
-            c.hidden_size,
-            c.intermediate_size,
-            c.num_experts,
-            c.top_k,
-            c.activation,
-            c.activation_limit,
-            knobs,
-            **extra,
-        )
-        layer = MoEEpLayer(
-            BootstrapConfig(device=dev),
-            FleetParams(c.num_experts, max(tokens), c.hidden_size),
-            pack,
-            backend=MegaConfig(config),
-            check_values=False,
-        )
-        layer.warmup()
+        layer, q, extra = make_bench_layer(c, entry, w13, w2, knobs, max(tokens), gen)
         for t in tokens:
             inputs = inputs_of[t]
             outs = [torch.empty(t, c.hidden_size, dtype=torch.bfloat16, device=dev) for _ in range(sets)]
@@ -261,7 +272,7 @@ def bench_contract(
                 flush=True,
             )
         layer.destroy()
-        del pack, q
+        del q
         torch.cuda.empty_cache()
     del w13, w2
     torch.cuda.empty_cache()

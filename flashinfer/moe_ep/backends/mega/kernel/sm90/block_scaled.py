@@ -9,7 +9,7 @@ FC2 input format, bf16 y, ordered combine); NVFP4 activation global scales are s
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
@@ -26,8 +26,6 @@ from .runtime import (
     sm90_requirements,
     warmup_forward,
 )
-
-_KNOB_FIELDS = ("tile_m", "fc1_tile_n", "fc2_tile_n", "fc1_stages", "fc2_stages", "num_sms", "swap_ab", "swap_wg")
 
 
 @dataclass(frozen=True)
@@ -47,10 +45,13 @@ class Sm90BlockScaledConfig(MegaKernelConfig):
         if self.knobs is not None:
             if not isinstance(self.knobs, dict):
                 raise MoEEpConfigError(f"{type(self).__name__}.knobs must be None or a dict of knobs")
-            unknown = sorted(set(self.knobs) - set(_KNOB_FIELDS))
+            from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
+
+            known = [f.name for f in fields(drop.QuantKnobs)]
+            unknown = sorted(set(self.knobs) - set(known))
             if unknown:
                 raise MoEEpConfigError(
-                    f"{type(self).__name__}.knobs: unknown {', '.join(unknown)}; known: {', '.join(_KNOB_FIELDS)}"
+                    f"{type(self).__name__}.knobs: unknown {', '.join(unknown)}; known: {', '.join(known)}"
                 )
 
 
@@ -115,7 +116,7 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
         self.act_gscale = torch.tensor(scales, dtype=torch.float32, device=self.device)
 
     def allocate_workspace(self) -> None:
-        """The pooled workspace (``runtime.acquire_pooled_workspace``), shared by both token buckets."""
+        """The pooled workspace (``runtime.acquire_pooled_workspace``), shared by every token bucket."""
         frontends = list(dict.fromkeys(self.frontends.values()))
         self._workspace_key, ws_of = acquire_pooled_workspace(
             frontends, self.fleet.max_tokens_per_rank, self.device, pool_owner(self)
@@ -195,19 +196,18 @@ def bucket_frontends(config: Sm90BlockScaledConfig, num_local_experts: int) -> d
     """One frontend per bucket of ``BUCKETS``; explicit knobs serve every T with one frontend.
     Where the swap-AB GEMMs cannot serve the geometry (``QuantFrontend.check``: sizes not multiples of
     128, gate/up not interleaved per 256), the decode frontend serves the swap buckets too."""
-    buckets = BUCKETS
     if config.knobs:
         one = make_frontend(config, num_local_experts)
-        return {name: one for name, _, _ in buckets}
+        return {name: one for name, _, _ in BUCKETS}
     fronts: dict[str, Any] = {}
-    for name, _, overrides in reversed(buckets):  # decode before the swap buckets that fall back to it
+    for name, _, overrides in reversed(BUCKETS):  # decode before the swap buckets that fall back to it
         try:
             fronts[name] = make_frontend(config, num_local_experts, overrides or None)
         except MoEEpConfigError:
             if not overrides.get("swap_ab"):
                 raise
             fronts[name] = fronts[DECODE]
-    return {name: fronts[name] for name, _, _ in buckets}
+    return {name: fronts[name] for name, _, _ in BUCKETS}
 
 
 def make_frontend(config: Sm90BlockScaledConfig, num_local_experts: int, overrides: dict | None = None) -> Any:

@@ -73,6 +73,16 @@ def bucket_plan(world_size: int, max_tokens: int) -> list[tuple[Any, int]]:
     return plan
 
 
+def autotune_candidates(geometry: Any, world_size: int, ranks_per_gpu: int, max_tokens: int) -> dict[str, list[Any]]:
+    """Bucket name -> the knobs ``knobs="auto"`` tries for it (its defaults first), for every bucket a
+    layer of per-rank capacity ``max_tokens`` reaches: what the autotune runs and the build prepares."""
+    drop = _drop()
+    return {
+        bk.name: drop.ep_candidates(geometry, world_size, ranks_per_gpu, bk.name)
+        for bk, _ in bucket_plan(world_size, max_tokens)
+    }
+
+
 def bucket_frontends(
     geometry: Any, world_size: int, ranks_per_gpu: int, buckets: Sequence[Any], tiles: dict[str, dict[str, Any]]
 ) -> dict[str, Any]:
@@ -224,7 +234,7 @@ def autotune_ep(
 
     plan = bucket_plan(b.world_size, first.fleet.max_tokens_per_rank)
     geometry, rpg = first.frontend.geometry, first.ranks_per_gpu
-    candidates = {bk.name: drop.ep_candidates(geometry, b.world_size, rpg, bk.name) for bk, _ in plan}
+    candidates = autotune_candidates(geometry, b.world_size, rpg, first.fleet.max_tokens_per_rank)
     every = {first.by_bucket[bk.name].knobs for bk, _ in plan} | {k for ks in candidates.values() for k in ks}
     sizing = tuple(drop.Bf16EpFrontend(geometry, k) for k in sorted(every, key=repr))
     results: dict[str, Any] = {}
@@ -294,6 +304,7 @@ def autotune_ep(
 
 __all__ = [
     "LOOPBACK_SUFFIX",
+    "autotune_candidates",
     "autotune_ep",
     "bucket_of",
     "bucket_frontends",
