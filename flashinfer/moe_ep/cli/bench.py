@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import statistics
 import sys
@@ -45,7 +46,12 @@ def add_parser(sub: Any) -> None:
         default=["auto"],
         help="one or more backends, timed on the same inputs (ratios to the first)",
     )
-    p.add_argument("--knobs", default=None, help="JSON knobs for the backend")
+    p.add_argument(
+        "--knobs",
+        default=None,
+        help="JSON knobs: one object for every backend, or a list with one entry (object or null for the "
+        "defaults) per --backend entry, so one backend can be timed with several knob sets in one run",
+    )
     p.add_argument("--sets", type=int, default=4, help="rotating input sets")
     p.add_argument("--iters", type=int, default=20, help="timed launches per size")
     p.add_argument("--out", default="bench-out", help="directory for CSV and plot")
@@ -167,25 +173,35 @@ def _check_fits(c: Any, fmt: str) -> bool:
     return fmt == "bf16" or c.num_experts * c.weight_bytes_per_expert() * 2 <= 16e9
 
 
+def norm_relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref|| / ||ref||`` (Frobenius), the usual end-to-end error of a quantized layer."""
+    o, r = out.double(), ref.double()
+    den = r.norm().item()
+    return (o - r).norm().item() / den if den else (o - r).norm().item()
+
+
 def _describe_errors(row: dict[str, Any]) -> str:
-    if math.isnan(row["mean_err"]):  # T = 0, --no-check, or a quantized reference too large to build
+    if math.isnan(row["e2e_mean_err"]):  # T = 0 or --no-check
         return "error not checked"
-    return f"err mean {row['mean_err']:.1e} max {row['max_err']:.1e}"
+    text = f"e2e err mean {row['e2e_mean_err']:.1e} norm {row['e2e_norm_err']:.1e}"
+    if math.isnan(row["mean_err"]):  # a quantized reference too large to build
+        return text
+    return f"err mean {row['mean_err']:.1e} max {row['max_err']:.1e}, " + text
 
 
 def bench_contract(
     name: str,
     tokens: list[int],
     entries: list[Any],
-    knobs: Any,
+    knobs: list[Any],
     sets: int,
     iters: int,
     check: bool,
     ceilings: dict[str, float],
     graph_max_tokens: int = 0,
 ) -> list[dict[str, Any]]:
-    """Every backend of ``entries`` on the same inputs, one after the other (one layer alive at a time);
-    the ``torch._grouped_mm`` baseline once per T. Quantized backends get the BF16 weights quantized
+    """Every backend of ``entries`` (with ``knobs[i]``) on the same inputs, one after the other (one layer
+    alive at a time); the ``torch._grouped_mm`` baseline once per T. Quantized backends get the BF16 weights quantized
     (NVFP4 with static activation scales calibrated on a batch of the same distribution)."""
     c = get_contract(name)
     dev = torch.device("cuda")
@@ -205,9 +221,10 @@ def bench_contract(
     base_ms: dict[int, float] = {}
     first_ms: dict[int, float] = {}
     rows = []
-    for entry in entries:
+    labels = [_label(e, k) for e, k in zip(entries, knobs, strict=True)]
+    for entry, entry_knobs, label in zip(entries, knobs, labels, strict=True):
         fmt = entry.weight_format if entry.weight_format in ("mxfp8", "nvfp4") else "bf16"
-        layer, q, extra = make_bench_layer(c, entry, w13, w2, knobs, max(tokens), gen)
+        layer, q, extra = make_bench_layer(c, entry, w13, w2, entry_knobs, max(tokens), gen)
         for t in tokens:
             inputs = inputs_of[t]
             outs = [torch.empty(t, c.hidden_size, dtype=torch.bfloat16, device=dev) for _ in range(sets)]
@@ -236,6 +253,7 @@ def bench_contract(
             row = {
                 "contract": name,
                 "backend": entry.kernel_name,
+                "knobs": "" if entry_knobs is None else json.dumps(entry_knobs, sort_keys=True),
                 "tokens": t,
                 "ms": ours,
                 "graph_ms": graph_ms,
@@ -249,26 +267,33 @@ def bench_contract(
                 "mean_err": float("nan"),
                 "max_err": float("nan"),
                 "ulps": float("nan"),
+                "e2e_mean_err": float("nan"),
+                "e2e_norm_err": float("nan"),
             }
-            if check and t and _check_fits(c, fmt):
+            if check and t:
                 s = inputs[0]
                 outs[0].fill_(float("nan"))
                 layer.forward(s, output=outs[0])
+                # end to end: against the fp32 reference on the unquantized (BF16) weights
+                dense, scale = moe_reference(s.hidden_states, s.topk_ids, s.topk_weights, w13, w2, c.activation,
+                                             c.activation_limit, return_term_scale=True)  # fmt: skip
+                row["e2e_mean_err"] = relative_errors(outs[0], dense)[0]
+                row["e2e_norm_err"] = norm_relative_error(outs[0], dense)
                 if q is None:
-                    ref, scale = moe_reference(s.hidden_states, s.topk_ids, s.topk_weights, w13, w2, c.activation,
-                                               c.activation_limit, return_term_scale=True)  # fmt: skip
-                    row["ulps"] = rounding_ulps(outs[0], ref, scale)
-                else:
+                    row["ulps"] = rounding_ulps(outs[0], dense, scale)
+                    row["mean_err"], row["max_err"] = relative_errors(outs[0], dense)
+                elif _check_fits(c, fmt):  # against the format-aware reference
                     ref = moe_reference_quantized(s.hidden_states, s.topk_ids, s.topk_weights, q, c.activation,
                                                   c.activation_limit, fmt=fmt, **extra)  # fmt: skip
-                row["mean_err"], row["max_err"] = relative_errors(outs[0], ref)
+                    row["mean_err"], row["max_err"] = relative_errors(outs[0], ref)
+                del dense, scale
             rows.append(row)
             print(
-                f"  {name} {entry.kernel_name} T={t}: {ours:.3f} ms"
+                f"  {name} {label} T={t}: {ours:.3f} ms"
                 + ("" if math.isnan(graph_ms) else f" (CUDA graph {graph_ms:.3f} ms)")
                 + f" ({row['tflops']:.0f} TFLOP/s, "
                 f"{row['pct_floor']:.0f}% of floor), baseline {base:.3f} ms, x{row['speedup']:.2f}, "
-                f"x{row['vs_first']:.2f} vs {entries[0].kernel_name}, " + _describe_errors(row),
+                f"x{row['vs_first']:.2f} vs {labels[0]}, " + _describe_errors(row),
                 flush=True,
             )
         layer.destroy()
@@ -277,6 +302,20 @@ def bench_contract(
     del w13, w2
     torch.cuda.empty_cache()
     return rows
+
+
+def _label(entry: Any, knobs: Any) -> str:
+    return entry.kernel_name if knobs is None else f"{entry.kernel_name}{json.dumps(knobs, sort_keys=True)}"
+
+
+def parse_knobs(text: str | None, n: int) -> list[Any]:
+    """``--knobs``: None, one JSON object for all ``n`` backends, or a list of ``n`` objects / nulls."""
+    knobs = json.loads(text) if text else None
+    if isinstance(knobs, list):
+        if len(knobs) != n:
+            raise MoEEpConfigError(f"--knobs lists {len(knobs)} entries for {n} backends")
+        return knobs
+    return [knobs] * n
 
 
 def _plot(rows: list[dict[str, Any]], path: Path) -> bool:
@@ -301,8 +340,6 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
-
     if not torch.cuda.is_available():
         raise MoEEpConfigError("bench needs a CUDA GPU (run it on the H200 machine; see SKILL.md)")
     dev = torch.device("cuda")
@@ -312,7 +349,7 @@ def run(args: argparse.Namespace) -> int:
         if note:
             print(f"note: {note}")
         entries.append(entry)
-    knobs = json.loads(args.knobs) if args.knobs else None
+    knobs = parse_knobs(args.knobs, len(entries))
     ceilings = measure_ceilings()
     print(
         f"bench on {torch.cuda.get_device_name()}: ceilings {ceilings['matmul_tflops']:.0f} TFLOP/s bf16 matmul, "
@@ -335,7 +372,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"\n{'contract':<16} {'backend':<30} {'T':>6} {'ms':>8} {'graph ms':>8} {'TFLOP/s':>8} {'GB/s w':>8} "
         f"{'%floor':>7} "
-        f"{'base ms':>8} {'x base':>6} {'x 1st':>6} {'mean err':>8} {'max err':>8}"
+        f"{'base ms':>8} {'x base':>6} {'x 1st':>6} {'mean err':>8} {'max err':>8} {'e2e mean':>8} {'e2e norm':>8}"
     )
     for r in rows:
         print(
@@ -345,6 +382,11 @@ def run(args: argparse.Namespace) -> int:
             f"{r['weight_gbs']:>8.0f} {r['pct_floor']:>6.0f}% {r['baseline_ms']:>8.3f} {r['speedup']:>6.2f} "
             f"{r['vs_first']:>6.2f} "
             + (f"{'-':>8} {'-':>8}" if math.isnan(r["mean_err"]) else f"{r['mean_err']:>8.1e} {r['max_err']:>8.1e}")
+            + (
+                f" {'-':>8} {'-':>8}"
+                if math.isnan(r["e2e_mean_err"])
+                else f" {r['e2e_mean_err']:>8.1e} {r['e2e_norm_err']:>8.1e}"
+            )
         )
     sys.stdout.flush()
     return 0

@@ -53,6 +53,8 @@ SRC_SYMBOLS: dict[str, SrcSymbol] = {
     "arena_bytes": SrcSymbol("src.symm_buffers", "arena_bytes", False, ("shim/comm.py",)),
     # the drop's own torch reference
     "drop_reference_moe_bf16": SrcSymbol("moe_bf16_glu.reference", "moe_bf16_reference", False, ("tests",)),
+    # device helpers of the block-scaled formats (their bit-level constants are checked on the CPU)
+    "block_quant": SrcSymbol("src.block_quant", "", True, ("tests",)),
     # kernels and their AOT export (import cutlass)
     "Sm90MegaMoEBf16Kernel": SrcSymbol(
         "moe_bf16_glu.kernel",

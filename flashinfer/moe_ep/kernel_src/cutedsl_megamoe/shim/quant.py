@@ -5,7 +5,7 @@ Weights arrive in the layout of ``flashinfer.moe_ep.core.reference_quant.Quantiz
 (data [E, rows, K] or packed [E, rows, K/2], block scales [E, rows, K/block], NVFP4 global scales [E])
 and are packed once by :meth:`QuantFrontend.prepare_weights` (gate/up interleave, then per K tile
 the rows' data and scale bytes as two TMA-friendly runs, see the drop's ``moe_quant_glu.weights``).
-The token buckets of a layer share that layout; ``swap_ab`` (the decode GEMMs) reads it too.
+The token buckets of a layer share that layout; ``swap_ab`` (the swap-AB GEMMs) reads it too.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from .frontend import Geometry, KernelFrontend, check_glu_geometry
 
 @dataclass(frozen=True)
 class QuantKnobs:
-    """Compile-time knobs of the quantized kernel (all output-neutral). ``swap_ab``: the decode GEMMs
+    """Compile-time knobs of the quantized kernel (all output-neutral). ``swap_ab``: the swap-AB GEMMs
     (weights dequantized in registers, tokens as WGMMA N); ``tile_m`` is then the token tile and
     ``swap_wg`` the most consumer warpgroups per CTA (1 or 2)."""
 
@@ -76,8 +76,8 @@ class QuantFrontend(KernelFrontend):
             if self.gated and k.fc1_tile_n != 256:
                 raise ValueError(f"swap_ab needs gate/up rows interleaved per 256 (fc1_tile_n=256), got {k.fc1_tile_n}")
             g = self.geometry
-            kh.swap_tile_plan(2 * g.intermediate if self.gated else g.intermediate, self.gated, k.swap_wg)
-            kh.swap_tile_plan(g.hidden, False, k.swap_wg)
+            kh.swap_tile_plan(2 * g.intermediate if self.gated else g.intermediate, self.gated, k.tile_m, k.swap_wg)
+            kh.swap_tile_plan(g.hidden, False, k.tile_m, k.swap_wg)
         elif k.tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128 for the {self.fmt} kernel, got {k.tile_m}")
         for n in (k.fc1_tile_n, k.fc2_tile_n):

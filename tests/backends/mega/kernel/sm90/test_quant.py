@@ -12,9 +12,10 @@ import torch
 import flashinfer.moe_ep as moe
 from flashinfer.moe_ep.backends.mega.kernel.sm90.block_scaled import (
     BUCKETS,
-    DECODE_MAX_TOKENS,
+    FALLBACKS,
     FRONTENDS,
     bucket_frontends,
+    make_frontend,
     token_bucket,
 )
 from flashinfer.moe_ep.cli import main as cli_main
@@ -139,44 +140,68 @@ def test_config_validation() -> None:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_buckets_share_the_weight_layout(fmt: str) -> None:
     fes = bucket_frontends(CONFIG[fmt](256, 128, 8, 2), 8)
-    assert list(fes) == [name for name, _, _ in BUCKETS]
-    names = [name for name, _, _ in BUCKETS]
-    for i, (name, top, overrides) in enumerate(BUCKETS):
-        k = fes[name].knobs
-        assert k.swap_ab == bool(overrides.get("swap_ab")) and k.tile_m == overrides.get("tile_m", 128)
-        assert k.swap_wg == overrides.get("swap_wg", 2)
-        assert k.fc1_tile_n == fes["prefill"].knobs.fc1_tile_n  # one packed layout
-        if top is not None:  # the bucket ends at its top T and the next one starts there
-            assert [token_bucket(t) for t in (top, top + 1)] == [name, names[i + 1]]
+    layout = make_frontend(CONFIG[fmt](256, 128, 8, 2), 8)
+    assert list(fes) == [b.name for b in BUCKETS]
+    for b in BUCKETS:
+        k = fes[b.name].knobs
+        assert k.swap_ab and k.tile_m == b.knobs["tile_m"] and k.swap_wg == b.knobs.get("swap_wg", 2)
+        assert k.fc1_tile_n == layout.knobs.fc1_tile_n  # one packed layout
     assert len({fe.key.digest() for fe in fes.values()}) == len(fes)
-    assert token_bucket(1).startswith("swap") and token_bucket(DECODE_MAX_TOKENS + 1) == "prefill"
     explicit = bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 128}), 8)
     assert len({id(fe) for fe in explicit.values()}) == 1
+
+
+def test_token_buckets_follow_the_pairs_per_expert() -> None:
+    """T = 1 -> swap1; then by T * top_k / experts: <= 8 swap16, <= 16 swap32, <= 32 swap64, else swap128."""
+    for k, e in ((8, 128), (8, 256), (4, 16)):
+        assert token_bucket(1, k, e) == "swap1"
+        for bucket, top in (("swap16", 8), ("swap32", 16), ("swap64", 32)):
+            t = top * e // k
+            assert token_bucket(t, k, e) == bucket and token_bucket(t + 1, k, e) != bucket, (k, e, t)
+        assert token_bucket(10**6, k, e) == "swap128"
+    assert [token_bucket(t, 8, 128) for t in (2, 128, 129, 256, 257, 512, 513)] == [
+        "swap16", "swap16", "swap32", "swap32", "swap64", "swap64", "swap128"
+    ]  # fmt: skip
 
 
 def test_swap_tile_plan() -> None:
     """(atoms of 64 weight rows per warpgroup, warpgroups per CTA) of the swap-AB GEMMs."""
     plan = kh.swap_tile_plan
-    assert plan(4096, True) == (4, 2) and plan(1536, True) == (4, 2) and plan(256, True) == (4, 1)
-    assert plan(7168, False) == (4, 2) and plan(2048, False, 1) == (4, 1)  # swap_wg=1: 256-row CTAs
-    assert plan(128, False) == (2, 1) and plan(384, False) == (2, 1) and plan(768, False) == (4, 1)
+    for tok in (16, 32):  # 4 atoms where the rows allow
+        assert plan(4096, True, tok) == (4, 2) and plan(1536, True, tok) == (4, 2) and plan(256, True, tok) == (4, 1)
+        assert plan(7168, False, tok) == (4, 2) and plan(2048, False, tok, 1) == (4, 1)  # swap_wg=1: 256-row CTAs
+        assert plan(128, False, tok) == (2, 1) and plan(384, False, tok) == (2, 1) and plan(768, False, tok) == (4, 1)
+    for tok in (64, 128):  # 2 atoms (registers): a gated CTA is one 256-row block over two warpgroups
+        assert plan(4096, True, tok) == (2, 2) and plan(256, True, tok) == (2, 2)
+        assert plan(7168, False, tok) == (2, 2) and plan(384, False, tok) == (2, 1)
+        assert plan(2048, False, tok, 1) == (2, 1)
+        with pytest.raises(ValueError, match="needs two consumer warpgroups"):
+            plan(4096, True, tok, 1)
     for rows, gated in ((384, True), (192, False), (2880, False)):
         with pytest.raises(ValueError, match="multiple of"):
-            plan(rows, gated)
+            plan(rows, gated, 16)
     with pytest.raises(ValueError, match="1 or 2 consumer warpgroups"):
-        plan(256, False, 3)
+        plan(256, False, 16, 3)
+    with pytest.raises(ValueError, match="token tile must be"):
+        plan(256, False, 256)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_swap_bucket_falls_back_where_the_swap_kernel_does_not_fit(fmt: str) -> None:
     """I = 192: 2I = 384 rows are not interleaved per 256 (fc1_tile_n 128), so the swap-AB GEMMs
-    cannot serve FC1 and the swap bucket uses the decode frontend; an explicit request is refused."""
+    cannot serve FC1 and the buckets use their fallbacks (64-row tiles up to 32 pairs per expert,
+    128-row tiles above); an explicit request is refused."""
     fes = bucket_frontends(CONFIG[fmt](256, 192, 8, 2), 8)
-    assert all(fes[name] is fes["decode"] for name in fes if name.startswith("swap"))
+    assert not any(fe.knobs.swap_ab for fe in fes.values())
+    for b in BUCKETS:
+        assert fes[b.name] is fes[BUCKETS[-1].name if b.fallback == "prefill" else "swap1"]
+        assert fes[b.name].knobs.tile_m == FALLBACKS[b.fallback].get("tile_m", 128)
     with pytest.raises(MoEEpConfigError, match="interleaved per 256"):
         bucket_frontends(CONFIG[fmt](256, 192, 8, 2, knobs={"tile_m": 16, "swap_ab": True}), 8)
     with pytest.raises(MoEEpConfigError, match="with swap_ab, tile_m must be one of"):
-        bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 64, "swap_ab": True}), 8)
+        bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 256, "swap_ab": True}), 8)
+    with pytest.raises(MoEEpConfigError, match="needs two consumer warpgroups"):
+        bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 64, "swap_ab": True, "swap_wg": 1}), 8)
     with pytest.raises(MoEEpConfigError, match="1 or 2 consumer warpgroups"):
         bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 16, "swap_ab": True, "swap_wg": 3}), 8)
 
@@ -215,9 +240,8 @@ def test_build_every_default_variant_for_sm90a(fmt: str, tmp_path: Path, capsys)
         CONFIG[fmt](c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit),
         c.num_experts).values()}  # fmt: skip
     # every bucket of every contract; gpt-oss-120b (H = 2880) and nemotron-relu2 (I = 1856) are not
-    # multiples of 128, so their swap buckets are their decode kernel
-    swaps = sum(1 for name, _, o in BUCKETS if o.get("swap_ab"))
-    assert len(keys) == len(want) == len(BUCKETS) * len(CONTRACTS) - 2 * swaps
+    # multiples of 128, so their buckets are their two fallback kernels
+    assert len(keys) == len(want) == len(BUCKETS) * (len(CONTRACTS) - 2) + 2 * len(FALLBACKS)
     for name, c in CONTRACTS.items():
         cfg = CONFIG[fmt](c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit)
         for fe in bucket_frontends(cfg, c.num_experts).values():

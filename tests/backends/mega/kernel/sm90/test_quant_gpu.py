@@ -48,7 +48,9 @@ ACTIVATIONS = [
     ("relu2", None),
 ]
 FORMATS = ("mxfp8", "nvfp4")
-TOKENS = (1, 7, 128, 300, 1000, 2000)  # swap-AB to 512 (16 and 32-token tiles), 64-row tiles to 1024, then 128
+# SMALL (16 experts, top 4): T = 1 swap1, then by pairs per expert (T / 4): 7 swap16, 60 swap32, 128
+# swap64, 300 and 2000 swap128 (the fallback geometry: 64-row tiles to 128, then 128-row tiles)
+TOKENS = (1, 7, 60, 128, 300, 2000)
 ROUTINGS = ("uniform", "skewed", "empty")
 CONFIG_CLS = {
     "mxfp8": moe.Sm90_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig,
@@ -77,6 +79,17 @@ GPU_VARIANTS = [
                                       "knobs": {"tile_m": 64, "fc1_tile_n": 128, "fc2_tile_n": 128}})
     for fmt in FORMATS
 ] + [
+    # 128-row tiles (shared-memory dequantization) at every T
+    (f"{fmt}-small-swiglu-m128", fmt, {**SMALL, "activation": "swiglu", "activation_limit": None,
+                                       "knobs": {"tile_m": 128}})
+    for fmt in FORMATS
+] + [
+    # I = 192: 2I = 384 rows are not whole 256-row gate/up blocks, so the default buckets fall back to
+    # the 64 and 128-row kernels
+    (f"{fmt}-small-swiglu-i192", fmt, {**SMALL, "intermediate_size": 192, "activation": "swiglu",
+                                       "activation_limit": None})
+    for fmt in FORMATS
+] + [
     # the swap-AB GEMMs at every T, with the token tile the format's swap bucket does not use
     (f"{fmt}-small-swiglu-swap", fmt, {**SMALL, "activation": "swiglu", "activation_limit": None,
                                        "knobs": {"tile_m": 16 if fmt == "mxfp8" else 32, "swap_ab": True}})
@@ -86,6 +99,17 @@ GPU_VARIANTS = [
     (f"{fmt}-small512-swiglu-wg1", fmt, {**SMALL, "hidden_size": 512, "intermediate_size": 256,
                                          "activation": "swiglu", "activation_limit": None,
                                          "knobs": {"tile_m": 32, "swap_ab": True, "swap_wg": 1}})
+    for fmt in FORMATS
+] + [
+    # wide swap-AB token tiles (2 atoms per warpgroup): gated FC1 over two 256-row blocks (MXFP8: the
+    # requantization amax across two warps), and a non-gated FC1 with one warpgroup per CTA
+    (f"{fmt}-small512-swiglu-swap{tok}", fmt, {**SMALL, "hidden_size": 512, "intermediate_size": 256,
+                                               "activation": "swiglu", "activation_limit": None,
+                                               "knobs": {"tile_m": tok, "swap_ab": True}})
+    for fmt in FORMATS for tok in (64, 128)
+] + [
+    (f"{fmt}-small-relu2-swap64", fmt, {**SMALL, "activation": "relu2", "activation_limit": None,
+                                        "knobs": {"tile_m": 64, "swap_ab": True}})
     for fmt in FORMATS
 ]  # fmt: skip
 
@@ -157,7 +181,7 @@ def _check(name: str, inp) -> None:
     assert torch.equal(out, again), "two runs on the same inputs differ"
 
 
-@pytest.mark.parametrize("variant", [v[0] for v in GPU_VARIANTS if "-small-" in v[0]])
+@pytest.mark.parametrize("variant", [v[0] for v in GPU_VARIANTS if "-small" in v[0]])
 @pytest.mark.parametrize("routing", ROUTINGS)
 def test_small_every_activation(variant: str, routing: str) -> None:
     for i, t in enumerate(TOKENS):
@@ -178,7 +202,7 @@ def test_zero_tokens(fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("t", [100, 800])  # the swap-AB and the 64-row bucket
+@pytest.mark.parametrize("t", [100, 800])  # qwen3-30b-a3b: the swap16 and the swap128 bucket
 def test_cuda_graph_replay_equals_eager(fmt: str, t: int) -> None:
     layer, cfg, _, _ = _layer(f"{fmt}-qwen3-30b-a3b")
     static = _inputs(cfg, t, "uniform", seed=5)

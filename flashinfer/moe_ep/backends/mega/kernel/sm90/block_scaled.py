@@ -33,11 +33,11 @@ class Sm90BlockScaledConfig(MegaKernelConfig):
     """Base of the SM90 block-scaled configs.
 
     ``knobs``: ``None`` (defaults: the widest N tiles; per token bucket, measured on the H200,
-    TUNING.md, ``BUCKETS``: the swap-AB GEMMs up to T = 512 (16 or 32-token tiles; one consumer
-    warpgroup per CTA at T = 1), 64-row M tiles up to ``DECODE_MAX_TOKENS`` (1024), 128-row ones above)
-    or a mapping of compile-time knobs for every T (``tile_m`` 64/128, or 16/32 with ``swap_ab`` and ``swap_wg`` 1/2;
-    ``fc1_tile_n``, ``fc2_tile_n``, ``fc1_stages``, ``fc2_stages``, ``num_sms``). Hidden and
-    intermediate sizes must be multiples of 64. World size 1.
+    TUNING.md, ``BUCKETS``: the swap-AB GEMMs with a token tile growing with the tokens per expert,
+    16 to 128; where they cannot tile the shape, 64-row M tiles up to 32 tokens per expert and 128-row
+    ones above) or a mapping of compile-time knobs for every T (``tile_m`` 64/128, or 16/32/64/128 with
+    ``swap_ab`` and ``swap_wg`` 1/2; ``fc1_tile_n``, ``fc2_tile_n``, ``fc1_stages``, ``fc2_stages``,
+    ``num_sms``). Hidden and intermediate sizes must be multiples of 64. World size 1.
     """
 
     def __post_init__(self) -> None:
@@ -96,7 +96,7 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
         # One frontend per token bucket (one weight layout: the tiles differ, not the packing), chosen
         # per forward from the host-side T; one workspace serves all of them.
         self.frontends = bucket_frontends(self.config, self.num_local_experts)
-        self.frontend = self.frontends[PREFILL]  # the weight layout
+        self.frontend = make_frontend(self.config, self.num_local_experts)  # the weight layout (every bucket's)
         self.weights: Any = None
         self.workspace: dict[str, torch.Tensor] = {}
         self.act_gscale: torch.Tensor | None = None
@@ -137,7 +137,7 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
         t = staged.hidden_states.shape[0]
         if t == 0:
             return output
-        bucket = token_bucket(t)  # a host-side shape: no device sync
+        bucket = token_bucket(t, self.config.top_k, self.num_local_experts)  # host-side shapes: no device sync
         frontend = self.frontends[bucket]
         load_kernel(frontend)
         assert self.act_gscale is not None
@@ -158,34 +158,53 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
         self.workspace = {}
 
 
-#: Token buckets, in order: (name, largest T, knobs over the defaults). Measured on the H200 (TUNING.md,
-#: session 6 runs 1, 2, 5 and 6; qwen3-30b-a3b, qwen3-235b-a22b, deepseek-v3, MXFP8 and NVFP4):
+@dataclass(frozen=True)
+class TokenBucket:
+    """One token bucket of the block-scaled backends: the T it serves (``max_tokens``, or
+    ``max_pairs_per_expert`` = T * top_k / experts, the average rows of an expert's GEMMs), the knobs it
+    sets over the defaults, and the bucket whose knobs serve it where the swap-AB GEMMs cannot tile
+    the shape (``fallback``)."""
+
+    name: str
+    knobs: dict[str, Any]
+    max_tokens: int | None = None
+    max_pairs_per_expert: int | None = None
+    fallback: str | None = None
+
+    def serves(self, t: int, top_k: int, num_experts: int) -> bool:
+        if self.max_tokens is not None:
+            return t <= self.max_tokens
+        return self.max_pairs_per_expert is None or t * top_k <= self.max_pairs_per_expert * num_experts
+
+
+#: Token buckets, in order. Measured on the H200 (TUNING.md; qwen3-30b-a3b, qwen3-235b-a22b, deepseek-v3,
+#: MXFP8 and NVFP4):
 #: - ``swap1``: swap-AB with one consumer warpgroup per CTA (256-row tiles: twice the CTAs for the
 #:   8 experts of one token): 17-32 % faster than two at T = 1 on all three contracts in both formats
-#:   (CUDA graphs); at T = 2 and 4 the winner changes with the contract.
-#: - ``swap16`` / ``swap32``: swap-AB (weights dequantized in registers) with 16 / 32-token tiles and
-#:   two warpgroups. Swap-AB beats 64-row tiles at every T <= 512 but one (MXFP8 qwen3-30b-a3b
-#:   T = 512: 7 % slower; deepseek-v3 there 29 % faster). 16-token tiles are 3-13 % faster than 32 at
-#:   T = 64 and 128, 32 faster from 512 (mixed at 256).
-#: - ``decode``: 64-row tiles (half the activation bytes of 128 per K tile; the second consumer
-#:   warpgroup still converts); they beat swap-AB at T = 1024 and 128-row tiles at every T from 128 to
-#:   1024 (session 3 run 10), losing to them on the qwen3 contracts at 2048.
-#: - ``prefill``: 128-row tiles.
+#:   (session 6, CUDA graphs).
+#: - ``swap16`` ... ``swap128``: swap-AB (weights dequantized in registers, tokens as WGMMA N) with
+#:   two warpgroups and the token tile that wins at that many pairs per expert. Session 6: 16-token
+#:   tiles beat 32 up to T = 128 on qwen3 (8 pairs per expert). Session 7 run 2 (T = 256 to 16384):
+#:   32-token tiles win at 16 pairs per expert, 64-token tiles at 32 (MXFP8 qwen3 T = 512: 1.32 / 1.44x
+#:   BF16 against 1.10 / 1.24 with 32; deepseek-v3 T = 1024: 1.60 against 1.30 with 128 and 1.36 with
+#:   64-row tiles), 128-token tiles from 64 up (every contract, both formats, within 3 % where another
+#:   won) and at every T >= 2048 by 4-45 % over 128-row tiles.
+#: - ``decode`` / ``prefill``: 64 / 128-row M tiles (shared-memory dequantization), for the shapes the
+#:   swap-AB GEMMs cannot tile (sizes not multiples of 128, or gate/up not interleaved per 256).
 BUCKETS = (
-    ("swap1", 1, {"tile_m": 16, "swap_ab": True, "swap_wg": 1}),
-    ("swap16", 128, {"tile_m": 16, "swap_ab": True}),
-    ("swap32", 512, {"tile_m": 32, "swap_ab": True}),
-    ("decode", 1024, {"tile_m": 64}),
-    ("prefill", None, {}),
+    TokenBucket("swap1", {"tile_m": 16, "swap_ab": True, "swap_wg": 1}, max_tokens=1, fallback="decode"),
+    TokenBucket("swap16", {"tile_m": 16, "swap_ab": True}, max_pairs_per_expert=8, fallback="decode"),
+    TokenBucket("swap32", {"tile_m": 32, "swap_ab": True}, max_pairs_per_expert=16, fallback="decode"),
+    TokenBucket("swap64", {"tile_m": 64, "swap_ab": True}, max_pairs_per_expert=32, fallback="decode"),
+    TokenBucket("swap128", {"tile_m": 128, "swap_ab": True}, fallback="prefill"),
 )
-DECODE, PREFILL = "decode", "prefill"
-#: Largest T of the 64-row bucket.
-DECODE_MAX_TOKENS = 1024
+#: the knobs of the fallback buckets (over the defaults)
+FALLBACKS = {"decode": {"tile_m": 64}, "prefill": {}}
 
 
-def token_bucket(t: int) -> str:
-    """The bucket serving ``t`` tokens (a host-side shape: no device sync)."""
-    return next(name for name, top, _ in BUCKETS if top is None or t <= top)
+def token_bucket(t: int, top_k: int, num_experts: int) -> str:
+    """The bucket serving ``t`` tokens routed ``top_k`` ways over ``num_experts`` (host-side shapes)."""
+    return next(b.name for b in BUCKETS if b.serves(t, top_k, num_experts))
 
 
 #: the drop frontend of each weight format
@@ -195,19 +214,20 @@ FRONTENDS = {"mxfp8": "Mxfp8Frontend", "nvfp4": "Nvfp4Frontend"}
 def bucket_frontends(config: Sm90BlockScaledConfig, num_local_experts: int) -> dict[str, Any]:
     """One frontend per bucket of ``BUCKETS``; explicit knobs serve every T with one frontend.
     Where the swap-AB GEMMs cannot serve the geometry (``QuantFrontend.check``: sizes not multiples of
-    128, gate/up not interleaved per 256), the decode frontend serves the swap buckets too."""
+    128, gate/up not interleaved per 256), the bucket's fallback frontend (64 or 128-row M tiles) does."""
     if config.knobs:
         one = make_frontend(config, num_local_experts)
-        return {name: one for name, _, _ in BUCKETS}
+        return {b.name: one for b in BUCKETS}
+    fallbacks: dict[str, Any] = {}
     fronts: dict[str, Any] = {}
-    for name, _, overrides in reversed(BUCKETS):  # decode before the swap buckets that fall back to it
+    for b in BUCKETS:
         try:
-            fronts[name] = make_frontend(config, num_local_experts, overrides or None)
+            fronts[b.name] = make_frontend(config, num_local_experts, b.knobs)
         except MoEEpConfigError:
-            if not overrides.get("swap_ab"):
-                raise
-            fronts[name] = fronts[DECODE]
-    return {name: fronts[name] for name, _, _ in BUCKETS}
+            if b.fallback not in fallbacks:
+                fallbacks[b.fallback] = make_frontend(config, num_local_experts, FALLBACKS[b.fallback] or None)
+            fronts[b.name] = fallbacks[b.fallback]
+    return fronts
 
 
 def make_frontend(config: Sm90BlockScaledConfig, num_local_experts: int, overrides: dict | None = None) -> Any:
@@ -229,11 +249,12 @@ def make_frontend(config: Sm90BlockScaledConfig, num_local_experts: int, overrid
 
 __all__ = [
     "BUCKETS",
-    "DECODE_MAX_TOKENS",
+    "FALLBACKS",
     "FRONTENDS",
     "Sm90BlockScaledBackend",
     "Sm90BlockScaledConfig",
     "Sm90Nvfp4ConfigFields",
+    "TokenBucket",
     "bucket_frontends",
     "make_frontend",
     "token_bucket",

@@ -37,5 +37,7 @@ QUANT_BLOCK = {FMT_MXFP8: 32, FMT_NVFP4: 16}
 QUANT_DATA_BYTES = {FMT_MXFP8: TILE_K, FMT_NVFP4: TILE_K // 2}
 QUANT_SCALES_PER_TILE = {FMT_MXFP8: TILE_K // 32, FMT_NVFP4: TILE_K // 16}
 QUANT_SEGMENT_BYTES = 16
-# Token tiles (WGMMA N) of the swap-AB decode kernel (``moe_quant_glu.swap_gemm``).
-SWAP_TOKEN_TILES = (16, 32)
+# Token tiles (WGMMA N) of the swap-AB kernel (``moe_quant_glu.swap_gemm``).
+SWAP_TOKEN_TILES = (16, 32, 64, 128)
+# Rows of one gate/up block of a gated w13 as the swap-AB kernel reads it (gate rows, then up rows).
+SWAP_GATE_UP_BLOCK = 256

@@ -17,8 +17,8 @@ conversion must wait for every warpgroup's WGMMA k-1 first: two barriers per K t
 Measured (TUNING.md): three buffers are 22 % faster at decode (tile_m 64) and 6 % at prefill although
 the third buffer costs a ring stage; separate A and weight rings fed by two producer warps were slower.
 
-Epilogue: NVFP4 multiplies the fp32 accumulator by ``act_gscale[i] * w_gscale[expert]`` (the global
-scales left out of the BF16 operands) and ``NVFP4_ACC_SCALE`` (left out by the E2M1 conversion); then
+Epilogue: the fp32 accumulator is multiplied by what the conversion left out (``MXFP8_ACC_SCALE``, or
+for NVFP4 ``NVFP4_ACC_SCALE`` times the global scales ``act_gscale[i] * w_gscale[expert]``); then
 the activation (FC1) and, with ``requant``, the quantize-dequantize of the output along N in blocks of
 the format (amax over a row's block: 8 or 4 values per thread, a quad of lanes holds the row), stored
 as exact BF16.
@@ -440,8 +440,10 @@ class DequantGroupedGemmSm90(GroupedGemmSm90):
                 if is_mma_wg:
                     if cutlass.const_expr(self.fmt == constants.FMT_NVFP4):
                         alpha = act_gscale[self.gscale_index] * w_gscale[expert] * bq.NVFP4_ACC_SCALE
-                        for i in cutlass.range_constexpr(cute.size(acc)):
-                            acc[i] = acc[i] * alpha
+                    else:
+                        alpha = cutlass.Float32(bq.MXFP8_ACC_SCALE)
+                    for i in cutlass.range_constexpr(cute.size(acc)):
+                        acc[i] = acc[i] * alpha
                     self._epilogue_math(acc, acc_out)
                     if cutlass.const_expr(self.requant):
                         self._requant(acc_out, act_gscale)

@@ -28,11 +28,11 @@ class Sm90MegaMoEQuantKernel:
 
     :param fmt: ``"mxfp8"`` or ``"nvfp4"`` (weights and activations).
     :param activation, limit: as ``Sm90MegaMoEBf16Kernel``.
-    :param tile_m: rows per M tile (64 or 128; with ``swap_ab`` the token tile, 16 or 32).
+    :param tile_m: rows per M tile (64 or 128; with ``swap_ab`` the token tile, 16, 32, 64 or 128).
     :param fc1_tile_n, fc2_tile_n: N tiles (w13 gate/up rows interleaved per ``fc1_tile_n`` before
         packing, see ``weights.pack_quantized_weights``). ``swap_ab`` ignores them (its weight tiles
         follow ``common.host_utils.swap_tile_plan``) but needs gate/up interleaved per 256 rows.
-    :param swap_ab: the decode GEMMs (``swap_gemm``): weights as the WGMMA A operand, dequantized in
+    :param swap_ab: the swap-AB GEMMs (``swap_gemm``): weights as the WGMMA A operand, dequantized in
         registers; tokens as N.
     :param swap_wg: consumer warpgroups per CTA of the swap-AB GEMMs at most (1: CTA tiles of 256
         weight rows instead of 512, twice as many tiles for few tokens).

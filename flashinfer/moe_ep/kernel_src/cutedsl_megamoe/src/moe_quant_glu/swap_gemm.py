@@ -1,10 +1,11 @@
-"""Grouped GEMM with block-scaled weights for few tokens (decode): swap-AB, weights dequantized in
-registers. Same routing, M-block map and packed weights as ``dequant_gemm``.
+"""Grouped GEMM with block-scaled weights, swap-AB: weights dequantized in registers. Same routing,
+M-block map and packed weights as ``dequant_gemm``.
 
-With a handful of tokens per expert the MMA is nearly free and the time is the weight stream; the
-shared-memory dequantization of ``dequant_gemm`` (convert into a BF16 tile, fence, barrier, then
-WGMMA) puts the conversion on every warpgroup's critical path. Here the weights are the A operand
-(64 weight rows per WGMMA atom, ``M``) and the tokens the B operand (``N = tok_tile``, 16 or 32):
+The shared-memory dequantization of ``dequant_gemm`` (convert into a BF16 tile, fence, barrier, then
+WGMMA) puts the conversion on every warpgroup's critical path and costs shared-memory bandwidth (the
+converted tile is written, then read by both warpgroups). Here the weights are the A operand (64
+weight rows per WGMMA atom, ``M``) and the tokens the B operand (``N = tok_tile``, 16 to 128; few
+tokens per expert at decode, where the time is the weight stream; 64 and 128 for larger batches):
 
 - producer warp: per K tile (64), one TMA box of the packed weight data of the CTA's rows, one of
   their scale bytes, and the ``tok_tile x 64`` BF16 activation tile of the M block;
@@ -18,15 +19,18 @@ WGMMA) puts the conversion on every warpgroup's critical path. Here the weights 
 Which weight rows a thread holds is free (``ldmatrix`` takes a row address per lane), so the
 tiling uses the packed layout of the prefill kernel unchanged and picks rows for the epilogue:
 
-- gated FC1 (gate/up interleaved per 256 rows, ``weights.pack_quantized_weights``): a warpgroup
-  owns one 256-row block, atom a / row half h / lane row i of warp w reads gate (h = 0) or up
-  (h = 1) of output feature ``(w * atoms + a) * 8 + i``, so the activation pairs up in-thread;
+- gated FC1 (gate/up interleaved per 256 rows, ``weights.pack_quantized_weights``): the 128
+  features of a 256-row block go to one warpgroup (4 atoms) or to the two of a CTA (2 atoms, 64
+  each); atom a / row half h / lane row i of warp w reads gate (h = 0) or up (h = 1) of the
+  warpgroup's feature ``(w * atoms + a) * 8 + i``, so the activation pairs up in-thread;
 - otherwise (FC2, relu2): output feature = row ``(w * 2 * atoms + 2a + h) * 8 + i``.
 
-Each warp thus owns 8-row groups of output features (4 per gated warp, ``2 * atoms`` otherwise):
-an MXFP8 block of 32 features (NVFP4: 16) is 4 (2) of a warp's groups, so the requantization amax
-is in-thread over the groups, then over the 8 lanes of a column (shuffles 4, 8, 16). Results are
-stored from registers, two features per 32-bit store (lanes i and i ^ 1 swap one column).
+Each warp thus owns 8-row groups of output features (``atoms`` per gated warp, ``2 * atoms``
+otherwise). The requantization amax of a block (MXFP8 32 features, NVFP4 16: 4 or 2 groups) is
+in-thread over the groups, then over the 8 lanes of a column (shuffles 4, 8, 16); where a block is
+wider than a warp's groups (MXFP8, gated, 2 atoms: two warps) the warps trade their partial amax
+through shared memory (one named barrier per warpgroup). Results are stored from registers, two
+features per 32-bit store (lanes i and i ^ 1 swap one column).
 """
 
 # No `from __future__ import annotations`: cute.struct reads its annotations as objects.
@@ -87,14 +91,18 @@ class SwapDequantGemmSm90:
 
     # ---------------------------------------------------------------- host-side setup (traced)
     def _setup(self, rows: int) -> None:
-        self.atoms, self.num_wg = swap_tile_plan(rows, self.gated, self.max_wg)
+        self.atoms, self.num_wg = swap_tile_plan(rows, self.gated, self.tok_tile, self.max_wg)
         self.wg_rows = 64 * self.atoms
         self.cta_rows = self.num_wg * self.wg_rows
         self.groups = self.atoms if self.gated else 2 * self.atoms  # 8-feature groups per warp
         self.wg_out = self.wg_rows // 2 if self.gated else self.wg_rows  # output features per warpgroup
         # Row of (atom a, half h) relative to the warpgroup's first row, beyond w * groups * 8 + i.
         self.atom_stride = 8 if self.gated else 16
-        self.half_stride = self.wg_rows // 2 if self.gated else 8
+        self.half_stride = constants.SWAP_GATE_UP_BLOCK // 2 if self.gated else 8
+        # Warps whose 8-feature groups make one requantization block (1, or 2 for a gated MXFP8 FC1
+        # with 2 atoms): their partial amax meet in shared memory.
+        self.block_warps = max(1, constants.QUANT_BLOCK[self.fmt] // 8 // self.groups) if self.requant else 1
+        self.amax_bytes = 4 * self.tok_tile * 4 * self.num_wg if self.block_warps > 1 else 0
         self.num_threads = (1 + self.num_wg) * self.threads_per_wg
         self.consumer_regs = 232 if self.num_wg > 1 else 240
 
@@ -114,7 +122,8 @@ class SwapDequantGemmSm90:
         if self.ab_stages_override is not None:
             self.ab_stages = self.ab_stages_override
         else:
-            self.ab_stages = min(8, (self.smem_capacity - 4096) // (data_bytes + scale_bytes + b_bytes))
+            free = self.smem_capacity - 4096 - self.amax_bytes
+            self.ab_stages = min(8, free // (data_bytes + scale_bytes + b_bytes))
         self.data_inner = box_inner(self.cta_rows, self.data_bytes)
         self.scale_inner = box_inner(self.cta_rows, self.scales_per_tile)
         self.data_smem_layout = cute.make_layout((self.data_inner, data_bytes // self.data_inner, self.ab_stages))
@@ -152,12 +161,16 @@ class SwapDequantGemmSm90:
         tma_b, tma_tensor_b = cpasync.make_tiled_tma_atom(g2s, act, b_one, (self.tok_tile, self.tile_k))
         self.tma_bytes = self.data_stage_bytes + self.scale_stage_bytes + cute.size_in_bytes(cutlass.BFloat16, b_one)
 
+        # (token column, warp, warpgroup) partial amax of the cross-warp requantization (one slot if unused)
+        self.amax_shape = (self.tok_tile, 4, self.num_wg) if self.amax_bytes else 1
+
         @cute.struct
         class SharedStorage:
             mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
             sB: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(self.b_smem_layout)], 1024]
             sData: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cute.cosize(self.data_smem_layout)], 1024]
             sScale: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cute.cosize(self.scale_smem_layout)], 128]
+            sAmax: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.size(self.amax_shape)], 16]
 
         self.shared_storage = SharedStorage
         self.kernel(
@@ -231,6 +244,7 @@ class SwapDequantGemmSm90:
         sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
         sData = storage.sData.get_tensor(data_smem_layout)
         sScale = storage.sScale.get_tensor(scale_smem_layout)
+        sAmax = storage.sAmax.get_tensor(cute.make_layout(self.amax_shape))
 
         # (inner, rows, 1, RestN, RestK, E) twice / (tok, bK, RestM, RestK)
         gW = cute.local_tile(mW, cute.shape(cute.slice_(data_smem_layout, (None, None, 0))), (None, None, None, None))
@@ -315,7 +329,7 @@ class SwapDequantGemmSm90:
                         ab_pipe.consumer_release(self._ring_state(n - 1))
                 warpgroup.wait_group(0)  # the tile's last stage is freed by the next tile's first step
                 consumed += k_tiles
-                self._epilogue(acc, mC, m_blk, n_blk, wg, warp, lane, expert, w_gscale, act_gscale)
+                self._epilogue(acc, mC, m_blk, n_blk, wg, warp, lane, expert, w_gscale, act_gscale, sAmax)
                 tile += grid_x
             if consumed > 0:
                 ab_pipe.consumer_release(self._ring_state(consumed - 1))
@@ -352,7 +366,13 @@ class SwapDequantGemmSm90:
         d = self.data_bytes
         row_in = lane & 7
         mat = lane >> 3
-        wrow = wg * self.wg_rows + warp * (self.groups * 8)
+        if cutlass.const_expr(self.gated):
+            # the warpgroup's first gate row: its features start at wg * wg_out, 128 per 256-row block
+            half = constants.SWAP_GATE_UP_BLOCK // 2
+            f0 = wg * self.wg_out
+            wrow = (f0 // half) * constants.SWAP_GATE_UP_BLOCK + f0 % half + warp * (self.groups * 8)
+        else:
+            wrow = wg * self.wg_rows + warp * (self.groups * 8)
         ld_row = wrow + row_in + (mat & 1) * self.half_stride
         swz = (row_in // (128 // d)) % self.segs
         loads = 2 if self.fmt == constants.FMT_MXFP8 else 1
@@ -395,63 +415,104 @@ class SwapDequantGemmSm90:
                     for byte in range(4):  # byte = (K16 block 2s + byte // 2, K pair v2 = byte % 2)
                         frag_words[((0, h, byte % 2), a, 2 * s + byte // 2)] = out[byte]
 
-    def _epilogue(self, acc, mC, m_blk, n_blk, wg, warp, lane, expert, w_gscale, act_gscale) -> None:
+    def _epilogue(self, acc, mC, m_blk, n_blk, wg, warp, lane, expert, w_gscale, act_gscale, sAmax) -> None:
         """Accumulator -> activation -> (requantization) -> bf16 stores.
 
         Accumulator mode 0 is ((2, 2, tok/8)): v0 = column pair, v1 = row half h, j = column group;
         mode 1 is the atom. Column (token) ``8j + 2q + v0`` with q = lane % 4; lane row i = lane // 4."""
         if cutlass.const_expr(self.fmt == constants.FMT_NVFP4):
             alpha = act_gscale[self.gscale_index] * w_gscale[expert] * bq.NVFP4_ACC_SCALE
-            for i in range(cute.size(acc)):
-                acc[i] = acc[i] * alpha
+        else:
+            alpha = cutlass.Float32(bq.MXFP8_ACC_SCALE)
+        for i in range(cute.size(acc)):
+            acc[i] = acc[i] * alpha
         q = lane & 3
         i = lane >> 2
         odd_i = i & 1
         odd = odd_i == 1
         feat0 = (n_blk * self.num_wg + wg) * self.wg_out + warp * (self.groups * 8) + (i & 6)
+        ncols = self.tok_tile // 8
+        # cols[j][v0][g]: the lane's value of its feature group g in token column 8j + 2q + v0
+        cols = [[self._column_values(acc, j, v0) for v0 in range(2)] for j in range(ncols)]
+        if cutlass.const_expr(self.requant):
+            amax = self._block_amax(cols, sAmax, wg, warp, lane)
+            cols = [[self._requant(cols[j][v0], amax[j][v0], act_gscale) for v0 in range(2)] for j in range(ncols)]
         pair = cute.make_rmem_tensor((1, 2), cutlass.BFloat16)
         pair_f32 = cute.make_rmem_tensor((1, 2), cutlass.Float32)
-        for j in range(self.tok_tile // 8):
-            cols = []  # per column v0: the lane's value of each group
-            for v0 in range(2):
-                vals = []
-                for a in range(self.atoms):
-                    if cutlass.const_expr(self.gated):
-                        g = acc[((v0, 0, j), a, 0)]
-                        u = acc[((v0, 1, j), a, 0)]
-                        vals.append(activations.gated_act(self.epilogue, g, u, self.limit))
-                    else:
-                        for h in range(2):
-                            v = acc[((v0, h, j), a, 0)]
-                            if cutlass.const_expr(self.epilogue != EPI_PLAIN):
-                                v = activations.plain_act(self.epilogue, v)
-                            vals.append(v)
-                if cutlass.const_expr(self.requant):
-                    vals = self._requant(vals, act_gscale)
-                cols.append(vals)
+        for j in range(ncols):
             # Lanes i and i ^ 1 (lane ^ 4) trade one column: the even lane stores column v0 = 0 of
             # features (i, i + 1), the odd lane column v0 = 1.
             row = m_blk * self.tok_tile + 8 * j + 2 * q + odd_i
             for g in range(self.groups):
-                send = cutlass.Float32(cutlass.select_(odd, cols[0][g], cols[1][g]))
+                send = cutlass.Float32(cutlass.select_(odd, cols[j][0][g], cols[j][1][g]))
                 got = cute.arch.shuffle_sync_bfly(send, 4)
-                pair_f32[0, 0] = cutlass.Float32(cutlass.select_(odd, got, cols[0][g]))
-                pair_f32[0, 1] = cutlass.Float32(cutlass.select_(odd, cols[1][g], got))
+                pair_f32[0, 0] = cutlass.Float32(cutlass.select_(odd, got, cols[j][0][g]))
+                pair_f32[0, 1] = cutlass.Float32(cutlass.select_(odd, cols[j][1][g], got))
                 pair.store(pair_f32.load().to(cutlass.BFloat16))
                 cute.autovec_copy(pair, cute.local_tile(mC, (1, 2), (row, (feat0 + g * 8) // 2)))
 
-    def _requant(self, vals: list, act_gscale: cute.Tensor) -> list:
-        """Quantize-dequantize one column's group values along the features, blocks of the format
-        (``QUANT_BLOCK / 8`` groups: in-thread, then the 8 lanes of the column)."""
-        per_block = constants.QUANT_BLOCK[self.fmt] // 8
-        out = []
-        for b in range(len(vals) // per_block):
-            blk = vals[b * per_block : (b + 1) * per_block]
-            amax = bq.block_amax(blk)
-            for x in (4, 8, 16):
-                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, x))
-            if cutlass.const_expr(self.fmt == constants.FMT_MXFP8):
-                out.extend(bq.mxfp8_qdq(blk, amax))
+    def _column_values(self, acc, j: int, v0: int) -> list:
+        """The lane's value of each 8-feature group in column (j, v0), after the activation."""
+        vals = []
+        for a in range(self.atoms):
+            if cutlass.const_expr(self.gated):
+                g = acc[((v0, 0, j), a, 0)]
+                u = acc[((v0, 1, j), a, 0)]
+                vals.append(activations.gated_act(self.epilogue, g, u, self.limit))
             else:
-                out.extend(bq.nvfp4_qdq(blk, amax, act_gscale[1]))
+                for h in range(2):
+                    v = acc[((v0, h, j), a, 0)]
+                    if cutlass.const_expr(self.epilogue != EPI_PLAIN):
+                        v = activations.plain_act(self.epilogue, v)
+                    vals.append(v)
+        return vals
+
+    def _block_amax(self, cols: list, sAmax: cute.Tensor, wg, warp, lane) -> list:
+        """amax[j][v0][b]: the amax of requantization block b of the lane's groups in column (j, v0).
+
+        In-thread over the block's groups, then over the 8 lanes of the column (shuffles 4, 8, 16);
+        with ``block_warps`` > 1 (a block spans warps, each holding one part of it) over those warps
+        too: every lane writes its column's partial amax, a named barrier of the warpgroup, every lane
+        reads its partners', a second barrier frees the slots for the next tile."""
+        per_block = max(1, constants.QUANT_BLOCK[self.fmt] // 8 // self.block_warps)  # groups per block and warp
+        amax = []
+        for j in range(len(cols)):
+            row = []
+            for v0 in range(2):
+                vals = cols[j][v0]
+                blocks = []
+                for b in range(len(vals) // per_block):
+                    m = bq.block_amax(vals[b * per_block : (b + 1) * per_block])
+                    for x in (4, 8, 16):
+                        m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, x))
+                    blocks.append(m)
+                row.append(blocks)
+            amax.append(row)
+        if cutlass.const_expr(self.block_warps > 1):
+            q = lane & 3
+            for j in range(len(cols)):  # the 8 lanes of a column hold the same value: all write it
+                for v0 in range(2):
+                    sAmax[8 * j + 2 * q + v0, warp, wg] = amax[j][v0][0]
+            cute.arch.barrier(barrier_id=1 + wg, number_of_threads=self.threads_per_wg)
+            first = warp - warp % self.block_warps
+            for j in range(len(cols)):
+                for v0 in range(2):
+                    m = amax[j][v0][0]
+                    for p in range(self.block_warps):
+                        m = cute.arch.fmax(m, sAmax[8 * j + 2 * q + v0, first + p, wg])
+                    amax[j][v0][0] = m
+            cute.arch.barrier(barrier_id=1 + wg, number_of_threads=self.threads_per_wg)
+        return amax
+
+    def _requant(self, vals: list, amax: list, act_gscale: cute.Tensor) -> list:
+        """Quantize-dequantize one column's group values along the features, block b of the lane's
+        groups with ``amax[b]`` (``_block_amax``)."""
+        per_block = len(vals) // len(amax)
+        out = []
+        for b in range(len(amax)):
+            blk = vals[b * per_block : (b + 1) * per_block]
+            if cutlass.const_expr(self.fmt == constants.FMT_MXFP8):
+                out.extend(bq.mxfp8_qdq(blk, amax[b]))
+            else:
+                out.extend(bq.nvfp4_qdq(blk, amax[b], act_gscale[1]))
         return out

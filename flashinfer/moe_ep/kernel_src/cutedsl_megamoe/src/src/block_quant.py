@@ -69,7 +69,9 @@ def ldmatrix_x4(addr: Int32) -> tuple[Uint32, Uint32, Uint32, Uint32]:
 
 def ue8m0_multiplier(byte: Uint32) -> Uint32:
     """A UE8M0 scale byte (<= 142) -> the BF16 multiplier ``2**(byte - 127) * 2**112`` in both halves
-    of a word (the factor ``e4m3x4_to_bf16x4``'s bit move leaves out): bits ``(byte + 112) << 7``."""
+    of a word: bits ``(byte + 112) << 7``. ``e4m3x4_to_bf16x4`` leaves out ``2**120`` of each value,
+    so the products are ``value * scale * 2**-8``: the caller multiplies its fp32 accumulator by
+    ``MXFP8_ACC_SCALE``."""
     return (byte + Uint32(112)) * Uint32(0x00800080)
 
 
@@ -122,27 +124,43 @@ def e4m3_to_f32(byte: Uint32) -> Float32:
     )
 
 
+#: ``prmt`` selectors of ``e4m3x4_to_bf16x4``: bytes (2p, sign of 2p, 2p+1, sign of 2p+1) for pair p
+E4M3_PAIR_SELECTORS = (0x9180, 0xB3A2)
+#: the BF16 bits an E4M3 byte lands on after ``prmt`` and ``<< 4``: sign, then exponent and mantissa
+E4M3_BF16_MASK = 0x87F087F0
+
+
 def e4m3x4_to_bf16x4(word: Uint32, mult2: Uint32) -> tuple[Uint32, Uint32]:
     """Four E4M3 bytes times a block multiplier -> four BF16 (two packed words, byte 0 in the low half
-    of the first), exactly. ``mult2``: the BF16 multiplier ``scale * 2**112`` in both halves.
+    of the first), exactly; the result is ``value * scale * 2**-8`` (``MXFP8_ACC_SCALE``).
+    ``mult2``: the BF16 multiplier ``scale * 2**112`` in both halves (``ue8m0_multiplier``).
 
-    One conversion instruction per pair (E4M3 -> F16, exact: every E4M3 value is a normal F16), then
-    F16 -> BF16 by moving bits (the 3 mantissa bits fit; the F16 exponent field read as a BF16 one
-    gives ``v * 2**-112``, still normal), then one BF16 FMA with the multiplier (exact: <= 8 bits).
+    Per pair, four instructions: ``prmt`` puts each byte in the low byte of a half and its sign
+    replicated in the high byte; ``<< 4`` and a mask leave the sign at bit 15 and ``eeeemmm`` at bits
+    10..4, which read as a BF16 are ``value * 2**-120`` (E4M3 subnormals become BF16 subnormals, the
+    same factor); one BF16 FMA with the multiplier (exact: <= 4 significant bits times a power of 2).
     """
+    body = "".join(
+        f"prmt.b32 y, {{$r0}}, 0, {sel:#x}; shl.b32 y, y, 4; and.b32 y, y, {E4M3_BF16_MASK:#x};\n"
+        f"fma.rn.bf16x2 {{$w{p}}}, y, {{$r1}}, z;\n"
+        for p, sel in enumerate(E4M3_PAIR_SELECTORS)
+    )
     return cute.arch.inline_ptx(
-        "{ .reg .b16 lo, hi; .reg .b32 h, t, z;\n"
-        "mov.b32 z, 0x80008000;\n"
-        "mov.b32 {lo, hi}, {$r0};\n"
-        "cvt.rn.f16x2.e4m3x2 h, lo;\n"
-        "and.b32 t, h, 0x7FF87FF8; shr.u32 t, t, 3; and.b32 h, h, 0x80008000; or.b32 h, h, t;\n"
-        "fma.rn.bf16x2 {$w0}, h, {$r1}, z;\n"
-        "cvt.rn.f16x2.e4m3x2 h, hi;\n"
-        "and.b32 t, h, 0x7FF87FF8; shr.u32 t, t, 3; and.b32 h, h, 0x80008000; or.b32 h, h, t;\n"
-        "fma.rn.bf16x2 {$w1}, h, {$r1}, z; }",
+        "{ .reg .b32 y, z;\nmov.b32 z, 0x80008000;\n" + body + "}",
         write_only_types=[Uint32, Uint32],
         read_only_args=[word, mult2],
     )
+
+
+#: what ``e4m3x4_to_bf16x4`` leaves out of the MXFP8 products (the accumulators are ``2**-8`` too small)
+MXFP8_ACC_SCALE = 2.0**8
+
+#: ``prmt`` selectors of ``e2m1x8_to_bf16x8``: (low nibbles byte m, 0, high nibbles byte m, 0) for byte m
+E2M1_PAIR_SELECTORS = tuple(0x8480 + 0x101 * m for m in range(4))
+#: ``nibble * E2M1_SPREAD`` puts a copy at << 6 and one at << 12; the mask keeps e1 e0 m at bits 8..6
+#: (from the first) and s at bit 15 (from the second)
+E2M1_SPREAD = 0x1040
+E2M1_BF16_MASK = 0x81C081C0
 
 
 def e2m1x8_to_bf16x8(word: Uint32, mult_lo: Uint32, mult_hi: Uint32) -> tuple[Uint32, Uint32, Uint32, Uint32]:
@@ -154,18 +172,19 @@ def e2m1x8_to_bf16x8(word: Uint32, mult_lo: Uint32, mult_hi: Uint32) -> tuple[Ui
     A nibble ``s e1 e0 m`` placed at BF16 bits 15 and 8..6 is the BF16 ``value * 2**-126`` (the two
     exponent bits land in the exponent field, m in the top mantissa bit; e = 0 gives the subnormal
     ``m * 2**-127``, which is ``0.5 * 2**-126``), so one multiply by ``scale * 2**112`` is exact (<= 6
-    significant bits, normal). Per byte: extract, spread the high nibble 12 bits up (``* 0x1001``),
-    two shifts and masks."""
+    significant bits, normal). The low and the high nibbles are split once per word (three
+    instructions); per byte ``prmt`` puts its two nibbles at the bottom of the two halves (the zero
+    bytes are the sign copy of a byte below 0x10), one multiply spreads each nibble to << 6 and << 12
+    (no carries: the copies do not overlap), a mask, then the FMA: 19 instructions for 8 values."""
+    body = "".join(
+        f"prmt.b32 w, a, b, {sel:#x}; mul.lo.u32 w, w, {E2M1_SPREAD:#x}; and.b32 w, w, {E2M1_BF16_MASK:#x};\n"
+        f"fma.rn.bf16x2 {{$w{m}}}, w, {{$r{1 if m < 2 else 2}}}, z0;\n"
+        for m, sel in enumerate(E2M1_PAIR_SELECTORS)
+    )
     return cute.arch.inline_ptx(
-        "{ .reg .b32 b, z, t, u, z0;\n"
+        "{ .reg .b32 a, b, w, z0;\n"
         "mov.b32 z0, 0x80008000;\n"
-        + "".join(
-            f"bfe.u32 b, {{$r0}}, {8 * m}, 8; mul.lo.u32 z, b, 0x1001;\n"
-            "shl.b32 t, z, 6; shl.b32 u, z, 12; and.b32 t, t, 0x01C001C0; and.b32 u, u, 0x80008000;\n"
-            f"or.b32 t, t, u; fma.rn.bf16x2 {{$w{m}}}, t, {{$r{1 if m < 2 else 2}}}, z0;\n"
-            for m in range(4)
-        )
-        + "}",
+        "and.b32 a, {$r0}, 0x0F0F0F0F; shr.u32 b, {$r0}, 4; and.b32 b, b, 0x0F0F0F0F;\n" + body + "}",
         write_only_types=[Uint32, Uint32, Uint32, Uint32],
         read_only_args=[word, mult_lo, mult_hi],
     )
@@ -268,6 +287,12 @@ def quad_amax(m: Float32) -> Float32:
 
 __all__ = [
     "block_amax",
+    "E2M1_BF16_MASK",
+    "E2M1_PAIR_SELECTORS",
+    "E2M1_SPREAD",
+    "E4M3_BF16_MASK",
+    "E4M3_PAIR_SELECTORS",
+    "MXFP8_ACC_SCALE",
     "NVFP4_ACC_SCALE",
     "e2m1x8_to_bf16x8",
     "e4m3_to_f32",
