@@ -121,6 +121,12 @@ class MegaKernelConfig:
         return ActivationSpec(self.activation, self.activation_limit)
 
     @property
+    def input_format(self) -> str:
+        """How ``MoEEpTensors.hidden_states`` arrive: ``"bf16"``, or pre-quantized in a block-scaled
+        format (codes in ``hidden_states``, block scales in ``scales``) where the config says so."""
+        return "bf16"
+
+    @property
     def fc1_rows(self) -> int:
         return fc1_rows(self.activation, self.intermediate_size)
 
@@ -160,7 +166,10 @@ class MoEWeightPack:
 @dataclass
 class MoEEpTensors:
     """One forward's inputs on this rank: ``hidden_states`` [T, H] bf16, ``topk_ids`` [T, k] int32
-    (global expert ids), ``topk_weights`` [T, k] fp32. ``scales``: pre-quantized activation scales.
+    (global expert ids), ``topk_weights`` [T, k] fp32. ``scales``: None, or for a layer whose config takes
+    pre-quantized activations (``MegaKernelConfig.input_format`` not ``"bf16"``: the SM90 block-scaled
+    configs with ``prequantized_input=True``) their block scales, ``hidden_states`` then holding the codes
+    (layouts: ``core.validation.PREQUANTIZED_LAYOUTS``).
 
     ``num_tokens``: optional live token count, an int32 tensor of one element on the layer's device.
     Only the first ``num_tokens`` rows are live: the other input rows are never read and the matching

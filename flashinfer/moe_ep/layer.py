@@ -83,6 +83,8 @@ class MoEEpMegaLayer:
             device=self.device,
             output=output,
             check_values=self.check_values and not live_given,
+            input_format=c.input_format,
+            scales=tensors.scales,
         )
         if output is None:
             output = torch.empty(t, c.hidden_size, dtype=torch.bfloat16, device=self.device)
@@ -114,6 +116,7 @@ class MoEEpMegaLayer:
         cut = dataclasses.replace(
             tensors,
             hidden_states=tensors.hidden_states[:live],
+            scales=None if tensors.scales is None else tensors.scales[:live],
             topk_ids=tensors.topk_ids[:live],
             topk_weights=tensors.topk_weights[:live],
             num_tokens=None,

@@ -64,3 +64,19 @@ def test_tune_of_the_ep_kernel_needs_the_gpu(monkeypatch, capsys, how: str) -> N
         args += ["--loopback", "2"]
     assert main(args) == 2
     assert "tune times kernels on the GPU" in capsys.readouterr().err
+
+
+def test_bench_knob_lists_and_prequantized_inputs() -> None:
+    from flashinfer.moe_ep.cli.bench import parse_knobs, prequantized_tensors
+    from flashinfer.moe_ep.errors import MoEEpConfigError
+
+    assert parse_knobs(None, 2) == [None, None]
+    assert parse_knobs('{"tile_m": 64}', 2) == [{"tile_m": 64}] * 2
+    assert parse_knobs('[null, {"tile_m": 64}]', 2) == [None, {"tile_m": 64}]
+    with pytest.raises(MoEEpConfigError, match="lists 1 entries for 2 backends"):
+        parse_knobs("[null]", 2)
+    import flashinfer.moe_ep as moe
+
+    s = moe.MoEEpTensors(torch.randn(3, 64).bfloat16(), torch.zeros(3, 2, dtype=torch.int32), torch.ones(3, 2))
+    q = prequantized_tensors(s, "nvfp4", 1.0)
+    assert q.hidden_states.shape == (3, 32) and q.scales.shape == (3, 4) and q.topk_ids is s.topk_ids

@@ -24,6 +24,7 @@ from ..config import BootstrapConfig, FleetParams, MegaConfig, MoEEpTensors, MoE
 from ..core.baselines import grouped_mm_moe
 from ..core.contracts import get_contract
 from ..core.inputs import make_expert_weights, make_hidden_states, make_topk, relative_errors, rounding_ulps
+from ..core.quant import quantize_activations
 from ..core.reference import moe_reference
 from ..core.reference_quant import moe_reference_quantized, nvfp4_static_scales, quantize_expert_weights
 from ..errors import MoEEpConfigError
@@ -56,6 +57,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--iters", type=int, default=20, help="timed launches per size")
     p.add_argument("--out", default="bench-out", help="directory for CSV and plot")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check per size")
+    p.add_argument(
+        "--prequantized",
+        action="store_true",
+        help="MXFP8 / NVFP4 backends take activations already quantized (prequantized_input=True; the codes are "
+        "made from the same bf16 inputs outside the timed region)",
+    )
     p.add_argument(
         "--graph-max-tokens",
         type=int,
@@ -138,10 +145,12 @@ def make_bench_layer(
     knobs: Any,
     max_tokens: int,
     gen: torch.Generator,
+    prequantized: bool = False,
 ) -> tuple[MoEEpLayer, Any, dict[str, Any]]:
     """The warmed-up world-size-1 layer of ``entry`` for contract ``c`` on BF16 weights (quantized for
-    MXFP8 / NVFP4; NVFP4 with static activation scales calibrated on a batch drawn from ``gen``).
-    Returns (layer, quantized weights or None, the config's extra fields)."""
+    MXFP8 / NVFP4; NVFP4 with static activation scales calibrated on a batch drawn from ``gen``;
+    ``prequantized``: a quantized layer takes pre-quantized activations). Returns (layer, quantized
+    weights or None, the config's extra fields)."""
     dev = w13.device
     fmt = entry.weight_format if entry.weight_format in ("mxfp8", "nvfp4") else "bf16"
     extra: dict[str, Any] = {}
@@ -154,8 +163,9 @@ def make_bench_layer(
             calib = make_hidden_states(256, c.hidden_size, generator=gen).to(dev)
             gs1, gs2 = nvfp4_static_scales(calib, q, c.activation, c.activation_limit)
             extra = {"input_global_scale": gs1, "fc2_input_global_scale": gs2}
+    fields = {**extra, **({"prequantized_input": True} if prequantized and fmt != "bf16" else {})}
     config = entry.load_config_class()(
-        c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit, knobs, **extra
+        c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit, knobs, **fields
     )
     layer = MoEEpLayer(
         BootstrapConfig(device=dev),
@@ -199,6 +209,7 @@ def bench_contract(
     check: bool,
     ceilings: dict[str, float],
     graph_max_tokens: int = 0,
+    prequantized: bool = False,
 ) -> list[dict[str, Any]]:
     """Every backend of ``entries`` (with ``knobs[i]``) on the same inputs, one after the other (one layer
     alive at a time); the ``torch._grouped_mm`` baseline once per T. Quantized backends get the BF16 weights quantized
@@ -224,15 +235,18 @@ def bench_contract(
     labels = [_label(e, k) for e, k in zip(entries, knobs, strict=True)]
     for entry, entry_knobs, label in zip(entries, knobs, labels, strict=True):
         fmt = entry.weight_format if entry.weight_format in ("mxfp8", "nvfp4") else "bf16"
-        layer, q, extra = make_bench_layer(c, entry, w13, w2, entry_knobs, max(tokens), gen)
+        layer, q, extra = make_bench_layer(c, entry, w13, w2, entry_knobs, max(tokens), gen, prequantized)
         for t in tokens:
             inputs = inputs_of[t]
+            feed = inputs  # what the layer takes: the bf16 inputs, or their codes quantized before timing
+            if layer.config.input_format != "bf16":
+                feed = [prequantized_tensors(s, fmt, extra.get("input_global_scale")) for s in inputs]
             outs = [torch.empty(t, c.hidden_size, dtype=torch.bfloat16, device=dev) for _ in range(sets)]
 
             def ours_fn(
-                i: int, inputs: list[MoEEpTensors] = inputs, outs: list[torch.Tensor] = outs, layer: Any = layer
+                i: int, feed: list[MoEEpTensors] = feed, outs: list[torch.Tensor] = outs, layer: Any = layer
             ) -> Any:
-                return layer.forward(inputs[i], output=outs[i])
+                return layer.forward(feed[i], output=outs[i])
 
             def base_fn(i: int, inputs: list[MoEEpTensors] = inputs) -> Any:
                 s = inputs[i]
@@ -271,9 +285,9 @@ def bench_contract(
                 "e2e_norm_err": float("nan"),
             }
             if check and t:
-                s = inputs[0]
                 outs[0].fill_(float("nan"))
-                layer.forward(s, output=outs[0])
+                layer.forward(feed[0], output=outs[0])
+                s = inputs[0]  # the bf16 activations (pre-quantized inputs are their codes)
                 # end to end: against the fp32 reference on the unquantized (BF16) weights
                 dense, scale = moe_reference(s.hidden_states, s.topk_ids, s.topk_weights, w13, w2, c.activation,
                                              c.activation_limit, return_term_scale=True)  # fmt: skip
@@ -302,6 +316,12 @@ def bench_contract(
     del w13, w2
     torch.cuda.empty_cache()
     return rows
+
+
+def prequantized_tensors(s: MoEEpTensors, fmt: str, global_scale: float | None) -> MoEEpTensors:
+    """``s`` with its bf16 hidden_states replaced by their ``fmt`` codes and block scales."""
+    codes, scales = quantize_activations(s.hidden_states, fmt, global_scale)
+    return MoEEpTensors(codes, s.topk_ids, s.topk_weights, scales=scales)
 
 
 def _label(entry: Any, knobs: Any) -> str:
@@ -359,7 +379,16 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for name in args.contract:
         rows += bench_contract(
-            name, args.tokens, entries, knobs, args.sets, args.iters, not args.no_check, ceilings, args.graph_max_tokens
+            name,
+            args.tokens,
+            entries,
+            knobs,
+            args.sets,
+            args.iters,
+            not args.no_check,
+            ceilings,
+            args.graph_max_tokens,
+            args.prequantized,
         )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

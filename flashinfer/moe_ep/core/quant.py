@@ -36,6 +36,7 @@ __all__ = [
     "dequantize_mxfp8",
     "dequantize_nvfp4",
     "pack_e2m1",
+    "quantize_activations",
     "quantize_mxfp8",
     "quantize_nvfp4",
     "round_to_e2m1",
@@ -287,6 +288,20 @@ def quantize_nvfp4(
     values = round_to_e2m1(scaled).reshape(xf.shape)
     packed = pack_e2m1(values)
     return packed, bs.to(torch.float8_e4m3fn), gs.reshape(())
+
+
+def quantize_activations(
+    x: torch.Tensor, fmt: str, global_scale: float | torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations ``x [T, H]`` as a layer with pre-quantized input takes them (``MoEEpTensors(codes, ...,
+    scales=scales)``): MXFP8 ``(float8_e4m3fn [T, H], uint8 UE8M0 [T, H/32])``, NVFP4 ``(uint8 E2M1
+    pairs [T, H/2], float8_e4m3fn [T, H/16])`` with ``global_scale`` (the layer's ``input_global_scale``)."""
+    if fmt == "mxfp8":
+        return quantize_mxfp8(x)
+    if fmt == "nvfp4":
+        packed, block_scale, _ = quantize_nvfp4(x, global_scale)
+        return packed, block_scale
+    raise MoEEpInputError(f"quantize_activations: unknown format {fmt!r} (mxfp8 or nvfp4)")
 
 
 def dequantize_nvfp4(

@@ -51,6 +51,19 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return True
 
 
+#: pre-quantized hidden_states per format: (codes dtype, codes columns per H, scales dtypes, H per scale)
+PREQUANTIZED_LAYOUTS: dict[str, tuple[torch.dtype, float, tuple[torch.dtype, ...], int]] = {
+    # E4M3 codes, UE8M0 scale bytes (uint8, or torch's float8_e8m0fnu where it exists)
+    "mxfp8": (
+        torch.float8_e4m3fn,
+        1.0,
+        (torch.uint8, *([torch.float8_e8m0fnu] if hasattr(torch, "float8_e8m0fnu") else [])),
+        32,
+    ),
+    "nvfp4": (torch.uint8, 0.5, (torch.float8_e4m3fn,), 16),  # E2M1 pairs (element 2i low), E4M3 scales
+}
+
+
 def check_forward_inputs(
     hidden_states: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -63,15 +76,107 @@ def check_forward_inputs(
     device: torch.device,
     output: torch.Tensor | None = None,
     check_values: bool = True,
+    input_format: str = "bf16",
+    scales: torch.Tensor | None = None,
 ) -> int:
-    """Validate one forward's inputs; returns T."""
-    # The common case passes one check of every rule; the per-field checks below name what is wrong.
-    if not _all_well_formed(hidden_states, topk_ids, topk_weights, output, hidden_size, top_k, max_tokens, device):
+    """Validate one forward's inputs; returns T. ``input_format`` is how the layer takes hidden_states
+    (``MegaKernelConfig.input_format``): bf16 [T, H] and no ``scales``, or pre-quantized codes with
+    their block ``scales`` (``PREQUANTIZED_LAYOUTS``)."""
+    if input_format != "bf16" or scales is not None:
+        if not _prequantized_well_formed(
+            hidden_states, scales, topk_ids, topk_weights, output, input_format, hidden_size, top_k, max_tokens, device
+        ):
+            t = _check_prequantized(hidden_states, scales, input_format, hidden_size, max_tokens, device)
+            _check_routing_and_output(t, hidden_states, topk_ids, topk_weights, output, hidden_size, top_k, device)
+    elif not _all_well_formed(hidden_states, topk_ids, topk_weights, output, hidden_size, top_k, max_tokens, device):
+        # The common case passes one check of every rule; the per-field checks name what is wrong.
         _check_forward_fields(hidden_states, topk_ids, topk_weights, output, hidden_size, top_k, max_tokens, device)
     t = hidden_states.shape[0]
     if check_values and t > 0 and not _capturing(device):
         check_topk_values(topk_ids, topk_weights, num_experts)
     return t
+
+
+def _prequantized_well_formed(
+    codes: object,
+    scales: object,
+    ids: object,
+    w: object,
+    out: object,
+    input_format: str,
+    hidden: int,
+    top_k: int,
+    max_tokens: int,
+    device: torch.device,
+) -> bool:
+    """``_all_well_formed`` for pre-quantized activations (False: the per-field checks name the fault)."""
+    layout = PREQUANTIZED_LAYOUTS.get(input_format)
+    if layout is None or not isinstance(scales, torch.Tensor):
+        return False
+    if not isinstance(codes, torch.Tensor) or codes.dim() != 2:
+        return False
+    code_dtype, per_h, scale_dtypes, block = layout
+    t = codes.shape[0]
+    return (
+        t <= max_tokens
+        and _well_formed(codes, t, int(hidden * per_h), code_dtype, device)
+        and scales.dtype in scale_dtypes
+        and _well_formed(scales, t, hidden // block, scales.dtype, device)
+        and _well_formed(ids, t, top_k, torch.int32, device)
+        and _well_formed(w, t, top_k, torch.float32, device)
+        and (out is None or (_well_formed(out, t, hidden, torch.bfloat16, device)
+                             and (t == 0 or out.data_ptr() != codes.data_ptr())))  # type: ignore[union-attr]
+    )  # fmt: skip
+
+
+def _check_prequantized(
+    codes: torch.Tensor,
+    scales: torch.Tensor | None,
+    input_format: str,
+    hidden_size: int,
+    max_tokens: int,
+    device: torch.device,
+) -> int:
+    if input_format == "bf16":
+        raise MoEEpInputError(
+            "MoEEpTensors.scales is set, but this layer takes bf16 hidden_states (pre-quantized activations: "
+            "an SM90 block-scaled config with prequantized_input=True)"
+        )
+    if input_format not in PREQUANTIZED_LAYOUTS:
+        raise MoEEpInputError(f"unknown input format {input_format!r}")
+    code_dtype, per_h, scale_dtypes, block = PREQUANTIZED_LAYOUTS[input_format]
+    if scales is None:
+        raise MoEEpInputError(
+            f"this layer takes pre-quantized {input_format} activations: hidden_states holds the codes and "
+            "MoEEpTensors.scales their block scales (scales is None)"
+        )
+    check_tensor("hidden_states", codes, shape=(None, int(hidden_size * per_h)), dtype=code_dtype, device=device)
+    t = codes.shape[0]
+    if t > max_tokens:
+        raise MoEEpInputError(
+            f"hidden_states has T={t} tokens, above FleetParams.max_tokens_per_rank={max_tokens} "
+            "(the workspace capacity)"
+        )
+    check_tensor("scales", scales, shape=(t, hidden_size // block), dtype=scale_dtypes, device=device)
+    return t
+
+
+def _check_routing_and_output(
+    t: int,
+    hidden_states: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    output: torch.Tensor | None,
+    hidden_size: int,
+    top_k: int,
+    device: torch.device,
+) -> None:
+    check_tensor("topk_ids", topk_ids, shape=(t, top_k), dtype=torch.int32, device=device)
+    check_tensor("topk_weights", topk_weights, shape=(t, top_k), dtype=torch.float32, device=device)
+    if output is not None:
+        check_tensor("output", output, shape=(t, hidden_size), dtype=torch.bfloat16, device=device)
+        if output.data_ptr() == hidden_states.data_ptr() and t > 0:
+            raise MoEEpInputError("output must not alias hidden_states")
 
 
 def _check_forward_fields(
@@ -93,12 +198,7 @@ def _check_forward_fields(
             f"hidden_states has T={t} tokens, above FleetParams.max_tokens_per_rank={max_tokens} "
             "(the workspace capacity)"
         )
-    check_tensor("topk_ids", topk_ids, shape=(t, top_k), dtype=torch.int32, device=device)
-    check_tensor("topk_weights", topk_weights, shape=(t, top_k), dtype=torch.float32, device=device)
-    if output is not None:
-        check_tensor("output", output, shape=(t, hidden_size), dtype=torch.bfloat16, device=device)
-        if output.data_ptr() == hidden_states.data_ptr() and t > 0:
-            raise MoEEpInputError("output must not alias hidden_states")
+    _check_routing_and_output(t, hidden_states, topk_ids, topk_weights, output, hidden_size, top_k, device)
 
 
 def _well_formed(t: object, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -200,6 +300,7 @@ def check_expert_weights(
 __all__ = [
     "check_expert_weights",
     "check_finite",
+    "PREQUANTIZED_LAYOUTS",
     "check_forward_inputs",
     "check_tensor",
     "check_topk_values",

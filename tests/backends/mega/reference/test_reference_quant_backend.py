@@ -170,7 +170,7 @@ def test_bad_packs_raise() -> None:
     # relu2 takes I rows in w13
     with pytest.raises(moe.MoEEpInputError, match="weights.w13 must have shape"):
         _layer(_pack(m), _config("mxfp8", "relu2"))
-    # pre-quantized activations do not pass through the layer yet
+    # the reference takes bf16 activations only (pre-quantized ones: the SM90 block-scaled configs)
     layer = _layer(_pack(m), _config("mxfp8"))
     with pytest.raises(moe.MoEEpInputError, match="pre-quantized"):
         layer.forward(moe.MoEEpTensors(x, ids, w, scales=torch.ones(4, H // 32)))

@@ -25,7 +25,7 @@ from ....core.reference_quant import (
     quantized_fc1,
     quantized_fc2,
 )
-from ....errors import MoEEpConfigError, MoEEpInputError
+from ....errors import MoEEpConfigError
 from ..base import MegaKernelBackend
 from .config import ReferenceMegaMoeConfig
 
@@ -109,11 +109,6 @@ class ReferenceMegaMoeBackend(MegaKernelBackend):
 
     def _quantized_expert_outputs(self, staged: MoEEpTensors, flat_ids: torch.Tensor) -> torch.Tensor:
         c, fmt = self.config, self.weight_format
-        if staged.scales is not None:
-            raise MoEEpInputError(
-                f"the reference backend ({fmt}) takes bf16 hidden_states and quantizes them itself; "
-                "pre-quantized activations (MoEEpTensors.scales) are not accepted by the layer yet"
-            )
         x = staged.hidden_states
         k = c.top_k
         # Collective in EP (every rank calls it, in the same order): the FC1-input global scale.

@@ -42,6 +42,9 @@ class Geometry:
     top_k: int
     activation: str
     activation_limit: float | None
+    # hidden_states as the kernel takes them: "bf16", or pre-quantized in a block-scaled format
+    # ("mxfp8", "nvfp4": codes and block scales; the block-scaled kernels only)
+    input_format: str = "bf16"
 
 
 def dsl_available() -> bool:
@@ -153,13 +156,24 @@ class KernelFrontend(abc.ABC):
         return allocate_shared_workspace([self], max_tokens, device)[0]
 
 
-def check_glu_geometry(geometry: Geometry, fc1_tile_n: int, fc2_tile_n: int, local_experts: int, kernel: str) -> None:
-    """The rules every GLU MoE kernel of the drop shares (BF16, EP, block-scaled): a known activation,
-    at most ``MAX_EXPERTS`` experts per rank, H and I multiples of the K tile, N tiles that divide FC1's
-    rows and H. Raises ValueError naming ``kernel``."""
+def check_glu_geometry(
+    geometry: Geometry,
+    fc1_tile_n: int,
+    fc2_tile_n: int,
+    local_experts: int,
+    kernel: str,
+    input_formats: tuple[str, ...] = ("bf16",),
+) -> None:
+    """The rules every GLU MoE kernel of the drop shares (BF16, EP, block-scaled): an input format it
+    takes, a known activation, at most ``MAX_EXPERTS`` experts per rank, H and I multiples of the K
+    tile, N tiles that divide FC1's rows and H. Raises ValueError naming ``kernel``."""
     from . import kernel_helpers as kh  # constants only (no cutlass)
 
     g, c = geometry, kh.constants
+    if g.input_format not in input_formats:
+        raise ValueError(
+            f"the {kernel} kernel takes hidden_states as {' or '.join(input_formats)}, not {g.input_format!r}"
+        )
     if g.activation not in c.ACTIVATIONS:
         raise ValueError(f"activation {g.activation!r} is not served by the {kernel} kernel")
     if local_experts > c.MAX_EXPERTS:

@@ -30,7 +30,8 @@ BF16_KERNEL_CALL = (
 )  # fmt: skip
 
 QUANT_KERNEL_CALL = (
-    "x", "topk_ids", "topk_weights", "w13", "w13_scale", "w2", "w2_scale", "w13_gscale", "w2_gscale", "act_gscale",
+    "x", "x_scale", "topk_ids", "topk_weights",
+    "w13", "w13_scale", "w2", "w2_scale", "w13_gscale", "w2_gscale", "act_gscale",
     "out",
     "pair_row", "pair_rank", "expert_count", "cta_base", "expert_off", "m_block_expert", "meta", "a_buf", "h_buf",
     "stream",
@@ -95,6 +96,7 @@ SRC_SYMBOLS: dict[str, SrcSymbol] = {
             "fc2_stages",
             "swap_ab",
             "swap_wg",
+            "prequantized",
         ),
         call_params=QUANT_KERNEL_CALL,
     ),

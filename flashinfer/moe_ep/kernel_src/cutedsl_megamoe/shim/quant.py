@@ -63,12 +63,19 @@ class QuantFrontend(KernelFrontend):
         super().__init__(geometry, knobs or default_quant_knobs(geometry), **kw)
 
     @property
+    def prequantized(self) -> bool:
+        """``hidden_states`` arrive as codes and block scales of the format (``Geometry.input_format``)."""
+        return self.geometry.input_format == self.fmt
+
+    @property
     def gated(self) -> bool:
         return self.geometry.activation in kh.constants.GATED_ACTIVATIONS
 
     def check(self) -> None:
         k = self.knobs
-        check_glu_geometry(self.geometry, k.fc1_tile_n, k.fc2_tile_n, self.geometry.num_experts, self.fmt)
+        check_glu_geometry(
+            self.geometry, k.fc1_tile_n, k.fc2_tile_n, self.geometry.num_experts, self.fmt, ("bf16", self.fmt)
+        )
         if k.swap_ab:
             tiles = kh.constants.SWAP_TOKEN_TILES
             if k.tile_m not in tiles:
@@ -98,6 +105,7 @@ class QuantFrontend(KernelFrontend):
             fc2_stages=k.fc2_stages,
             swap_ab=k.swap_ab,
             swap_wg=k.swap_wg,
+            prequantized=self.prequantized,
         )
         return kh.export_moe_quant(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)
 
@@ -130,6 +138,7 @@ class QuantFrontend(KernelFrontend):
     def launch(
         self,
         x: torch.Tensor,
+        x_scale: torch.Tensor,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         weights: PackedQuantWeights,
@@ -137,11 +146,15 @@ class QuantFrontend(KernelFrontend):
         out: torch.Tensor,
         workspace: dict[str, torch.Tensor],
     ) -> torch.Tensor:
-        """Enqueue the whole layer on the current torch stream (no host sync). ``act_gscale``: fp32 [2],
-        the NVFP4 global scales of the FC1 and FC2 inputs (ignored by MXFP8)."""
+        """Enqueue the whole layer on the current torch stream (no host sync). ``x``: bf16 [T, H], or for
+        a pre-quantized geometry the codes as uint8 ([T, H] E4M3, [T, H/2] E2M1 pairs) with their block
+        scales in ``x_scale`` (uint8 [T, H/32] UE8M0, [T, H/16] E4M3); otherwise ``x_scale`` is any
+        uint8 tensor (not read). ``act_gscale``: fp32 [2], the NVFP4 global scales of the FC1 and FC2
+        inputs (ignored by MXFP8)."""
         fn = self.load()
         fn(
             x,
+            x_scale,
             topk_ids,
             topk_weights,
             weights.w13,

@@ -247,3 +247,25 @@ def test_build_every_default_variant_for_sm90a(fmt: str, tmp_path: Path, capsys)
         for fe in bucket_frontends(cfg, c.num_experts).values():
             lib = kernel_cache.lookup(fe.key, tmp_path)
             assert lib is not None and b"__tvm_ffi_" in lib.read_bytes(), name
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_prequantized_input_is_a_kernel_variant(fmt: str) -> None:
+    """``prequantized_input=True``: every bucket's kernel takes codes and scales (its own cache keys),
+    the BF16 kernels refuse that input format, and the flag must be a bool."""
+    plain = bucket_frontends(CONFIG[fmt](256, 128, 8, 2), 8)
+    pre = bucket_frontends(CONFIG[fmt](256, 128, 8, 2, prequantized_input=True), 8)
+    assert CONFIG[fmt](256, 128, 8, 2, prequantized_input=True).input_format == fmt
+    assert CONFIG[fmt](256, 128, 8, 2).input_format == "bf16"
+    for name in plain:
+        assert pre[name].prequantized and not plain[name].prequantized
+        assert pre[name].geometry.input_format == fmt
+        assert pre[name].key.digest() != plain[name].key.digest()
+    with pytest.raises(MoEEpConfigError, match="prequantized_input must be a bool"):
+        CONFIG[fmt](256, 128, 8, 2, prequantized_input=1)
+    g = drop.Geometry(256, 128, 8, 2, "swiglu", None, input_format=fmt)
+    with pytest.raises(ValueError, match="takes hidden_states as bf16"):
+        drop.Bf16Frontend(g).check()
+    other = "nvfp4" if fmt == "mxfp8" else "mxfp8"
+    with pytest.raises(ValueError, match=f"not '{other}'"):
+        getattr(drop, FRONTENDS[fmt])(drop.Geometry(256, 128, 8, 2, "swiglu", None, input_format=other)).check()

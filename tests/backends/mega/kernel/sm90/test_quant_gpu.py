@@ -22,6 +22,7 @@ or row is tens to thousands of units.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import pytest
@@ -30,6 +31,7 @@ import torch
 import flashinfer.moe_ep as moe
 from flashinfer.moe_ep.core.contracts import CONTRACTS
 from flashinfer.moe_ep.core.inputs import make_expert_weights, make_hidden_states, make_topk, relative_errors
+from flashinfer.moe_ep.core.quant import quantize_mxfp8, quantize_nvfp4
 from flashinfer.moe_ep.core.reference_quant import moe_reference_quantized, nvfp4_static_scales, quantize_expert_weights
 
 pytestmark = pytest.mark.gpu
@@ -111,6 +113,11 @@ GPU_VARIANTS = [
     (f"{fmt}-small-relu2-swap64", fmt, {**SMALL, "activation": "relu2", "activation_limit": None,
                                         "knobs": {"tile_m": 64, "swap_ab": True}})
     for fmt in FORMATS
+] + [
+    # activations given as codes and block scales (every default bucket)
+    (f"{fmt}-preq-swiglu", fmt, {**SMALL, "activation": "swiglu", "activation_limit": None,
+                                 "prequantized_input": True})
+    for fmt in FORMATS
 ]  # fmt: skip
 
 _layers: dict[str, tuple] = {}
@@ -161,14 +168,18 @@ def format_units(out: torch.Tensor, ref: torch.Tensor, term_scale: torch.Tensor,
     return ((o - r).abs() / (UNIT[fmt] * (r.abs() + s)).clamp_min(1e-30)).max().item()
 
 
-def _check(name: str, inp) -> None:
+def _check(name: str, inp, ref_x=None) -> None:
+    """``ref_x``: the reference's input when it is not ``inp.hidden_states`` (pre-quantized: the tuple
+    of codes, scales and, for NVFP4, the global scale, which then replaces ``input_global_scale``)."""
     layer, cfg, q, scales = _layer(name)
-    t = inp.hidden_states.shape[0]
+    t = inp.topk_ids.shape[0]
     out = torch.full((t, cfg.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
     layer.forward(inp, output=out)
-    ref, term = moe_reference_quantized(inp.hidden_states, inp.topk_ids, inp.topk_weights, q, cfg.activation,
-                                        cfg.activation_limit, fmt=cfg.weight_format, return_term_scale=True,
-                                        **scales)  # fmt: skip
+    if ref_x is not None:
+        scales = {k: v for k, v in scales.items() if k != "input_global_scale"}
+    ref, term = moe_reference_quantized(inp.hidden_states if ref_x is None else ref_x, inp.topk_ids,
+                                        inp.topk_weights, q, cfg.activation, cfg.activation_limit,
+                                        fmt=cfg.weight_format, return_term_scale=True, **scales)  # fmt: skip
     assert not bool(out.isnan().any()), "some output rows were never written"
     mean_err, max_err = relative_errors(out, ref)
     units = format_units(out, ref, term, cfg.weight_format)
@@ -181,7 +192,7 @@ def _check(name: str, inp) -> None:
     assert torch.equal(out, again), "two runs on the same inputs differ"
 
 
-@pytest.mark.parametrize("variant", [v[0] for v in GPU_VARIANTS if "-small" in v[0]])
+@pytest.mark.parametrize("variant", [v[0] for v in GPU_VARIANTS if "-small" in v[0] and "-preq" not in v[0]])
 @pytest.mark.parametrize("routing", ROUTINGS)
 def test_small_every_activation(variant: str, routing: str) -> None:
     for i, t in enumerate(TOKENS):
@@ -193,6 +204,62 @@ def test_small_every_activation(variant: str, routing: str) -> None:
 def test_qwen3_30b(fmt: str, t: int) -> None:
     name = f"{fmt}-qwen3-30b-a3b"
     _check(name, _inputs(_layer(name)[1], t, "uniform" if t % 2 else "skewed", seed=t))
+
+
+def _prequantized(cfg, x: torch.Tensor, rule: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """(codes, scales, reference input) of ``x``'s shape: ``rule`` "ocp" quantizes ``x`` with
+    ``core.quant`` (the kernel's own rule), "random" draws arbitrary valid codes and scales, which the
+    kernel's rule would not choose (so a requantization would change them)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    t, h = x.shape
+    gs = torch.tensor(getattr(cfg, "input_global_scale", 1.0), dtype=torch.float32, device="cuda")
+    if cfg.weight_format == "mxfp8":
+        if rule == "ocp":
+            codes, sc = quantize_mxfp8(x)
+        else:
+            b = torch.randint(0, 256, (t, h), generator=g, device="cuda", dtype=torch.int32)
+            b = torch.where((b & 0x7F) == 0x7F, b - 1, b)  # no NaN codes
+            codes = b.to(torch.uint8).view(torch.float8_e4m3fn)
+            sc = torch.randint(118, 130, (t, h // 32), generator=g, device="cuda", dtype=torch.int32).to(torch.uint8)
+        return codes, sc, (codes, sc)
+    if rule == "ocp":
+        packed, bs, _ = quantize_nvfp4(x, gs)
+    else:
+        packed = torch.randint(0, 256, (t, h // 2), generator=g, device="cuda", dtype=torch.int32).to(torch.uint8)
+        mag = torch.rand((t, h // 16), generator=g, device="cuda") * 8 + 0.05
+        bs = mag.to(torch.float8_e4m3fn)
+    return packed, bs, (packed, bs, gs)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rule", ["ocp", "random"])
+def test_prequantized_activations(fmt: str, rule: str) -> None:
+    """Codes and block scales in, against the reference on the same codes (no requantization of the
+    input); with codes of the kernel's own rule also bit-equal to the layer fed the bf16 originals."""
+    name = f"{fmt}-preq-swiglu"
+    layer, cfg, q, _ = _layer(name)
+    plain = None
+    if rule == "ocp":  # the same weights, bf16 activations quantized by the kernel
+        plain = moe.MoEEpLayer(
+            moe.BootstrapConfig(device="cuda"),
+            moe.FleetParams(cfg.num_experts, MAX_T, cfg.hidden_size),
+            moe.MoEWeightPack(q.w13, q.w2, q.w13_scale, q.w2_scale, q.w13_global_scale, q.w2_global_scale),
+            backend=moe.MegaConfig(dataclasses.replace(cfg, prequantized_input=False)),
+        )
+    for i, t in enumerate((0, *TOKENS)):
+        inp = _inputs(cfg, t, "skewed" if i % 2 else "uniform", seed=zlib.crc32(f"{name}/{rule}/{t}".encode()))
+        codes, sc, ref_x = _prequantized(cfg, inp.hidden_states, rule, seed=t)
+        pre = moe.MoEEpTensors(codes, inp.topk_ids, inp.topk_weights, scales=sc)
+        if t == 0:
+            assert layer.forward(pre).shape == (0, cfg.hidden_size)
+            continue
+        _check(name, pre, ref_x)
+        if plain is not None:
+            assert torch.equal(layer.forward(pre), plain.forward(inp)), t
+    if plain is not None:
+        plain.destroy()
+    with pytest.raises(moe.MoEEpInputError, match="pre-quantized"):
+        layer.forward(_inputs(cfg, 4, "uniform", seed=1))  # bf16 hidden_states without scales
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 
 from .....config import MegaKernelConfig, MoEEpTensors, MoEWeightPack
-from .....errors import MoEEpConfigError, MoEEpInputError
+from .....errors import MoEEpConfigError
 from ...base import MegaKernelBackend
 from .runtime import (
     acquire_pooled_workspace,
@@ -38,10 +38,25 @@ class Sm90BlockScaledConfig(MegaKernelConfig):
     ones above) or a mapping of compile-time knobs for every T (``tile_m`` 64/128, or 16/32/64/128 with
     ``swap_ab`` and ``swap_wg`` 1/2; ``fc1_tile_n``, ``fc2_tile_n``, ``fc1_stages``, ``fc2_stages``,
     ``num_sms``). Hidden and intermediate sizes must be multiples of 64. World size 1.
+
+    ``prequantized_input``: the layer takes activations already in the weight format, as codes in
+    ``MoEEpTensors.hidden_states`` and block scales in ``MoEEpTensors.scales`` (MXFP8: float8_e4m3fn
+    [T, H] and uint8 UE8M0 [T, H/32]; NVFP4: uint8 E2M1 pairs [T, H/2], element 2i in the low nibble,
+    and float8_e4m3fn [T, H/16], with the global scale ``input_global_scale``). The kernel dequantizes
+    them exactly in its gather and does not requantize, so the FC1 input is the given values whatever
+    rule chose the scales. Default False: bf16 hidden_states, quantized by the kernel.
     """
+
+    prequantized_input: bool = field(default=False, kw_only=True)
+
+    @property
+    def input_format(self) -> str:
+        return self.weight_format if self.prequantized_input else "bf16"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not isinstance(self.prequantized_input, bool):
+            raise MoEEpConfigError(f"prequantized_input must be a bool, got {self.prequantized_input!r}")
         if self.knobs is not None:
             if not isinstance(self.knobs, dict):
                 raise MoEEpConfigError(f"{type(self).__name__}.knobs must be None or a dict of knobs")
@@ -114,6 +129,7 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
         )
         scales = [c.input_global_scale, c.fc2_input_global_scale] if self.fmt == "nvfp4" else [1.0, 1.0]
         self.act_gscale = torch.tensor(scales, dtype=torch.float32, device=self.device)
+        self.no_scales = torch.zeros(1, dtype=torch.uint8, device=self.device)
 
     def allocate_workspace(self) -> None:
         """The pooled workspace (``runtime.acquire_pooled_workspace``), shared by every token bucket."""
@@ -129,11 +145,6 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
         warmup_forward(self)
 
     def compute(self, staged: MoEEpTensors, output: torch.Tensor) -> torch.Tensor:
-        if staged.scales is not None:
-            raise MoEEpInputError(
-                f"{self.config.kernel_name} takes bf16 hidden_states and quantizes them in the kernel; "
-                "pre-quantized activations (MoEEpTensors.scales) are not accepted yet"
-            )
         t = staged.hidden_states.shape[0]
         if t == 0:
             return output
@@ -141,8 +152,14 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
         frontend = self.frontends[bucket]
         load_kernel(frontend)
         assert self.act_gscale is not None
+        x, x_scale = staged.hidden_states, staged.scales
+        if x_scale is None:  # bf16 input: the scale argument is not read
+            x_scale = self.no_scales
+        else:  # codes and scales as the kernel reads them (byte tensors; views, no copy)
+            x, x_scale = x.view(torch.uint8), x_scale.view(torch.uint8)
         return frontend.launch(
-            staged.hidden_states,
+            x,
+            x_scale,
             staged.topk_ids,
             staged.topk_weights,
             self.weights,

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from .....config import MoEEpTensors
+from .....core.quant import quantize_activations
 from .....errors import MoEEpBackendUnavailableError
 
 
@@ -39,6 +40,7 @@ def make_geometry(config: Any, num_local_experts: int) -> Any:
         top_k=config.top_k,
         activation=config.activation,
         activation_limit=config.activation_spec.effective_limit,
+        input_format=config.input_format,
     )
 
 
@@ -96,8 +98,17 @@ def warmup_forward(backend: Any) -> None:
     ids = torch.stack([torch.randperm(c.num_experts, device=device)[: c.top_k] for _ in range(t)]).int()
     w = torch.rand(t, c.top_k, device=device)
     out = torch.empty(t, c.hidden_size, dtype=torch.bfloat16, device=device)
-    backend.compute(MoEEpTensors(x, ids, w), out)
+    codes, scales = prequantized_inputs(c, x)
+    backend.compute(MoEEpTensors(codes, ids, w, scales=scales), out)
     torch.cuda.synchronize(device)
+
+
+def prequantized_inputs(config: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(hidden_states, scales) of bf16 ``x`` as a layer of ``config`` takes them: ``(x, None)`` for bf16
+    input, else the codes and block scales of ``core.quant.quantize_activations``."""
+    if config.input_format == "bf16":
+        return x, None
+    return quantize_activations(x, config.input_format, getattr(config, "input_global_scale", None))
 
 
 __all__ = [
@@ -105,6 +116,7 @@ __all__ = [
     "pool_owner",
     "load_kernel",
     "make_geometry",
+    "prequantized_inputs",
     "release_pooled_workspace",
     "sm90_requirements",
     "warmup_forward",

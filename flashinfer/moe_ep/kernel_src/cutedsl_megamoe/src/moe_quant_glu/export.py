@@ -57,8 +57,14 @@ def fake_arguments(kernel: Sm90MegaMoEQuantKernel, hidden: int, inter: int, num_
         order = tuple(range(len(shape) - 1, -1, -1))
         return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=16)
 
+    if kernel.prequantized:
+        x = mat(u8, (t, hidden if kernel.fmt == constants.FMT_MXFP8 else hidden // 2))
+        x_scale = mat(u8, (t, hidden // constants.QUANT_BLOCK[kernel.fmt]))
+    else:
+        x, x_scale = mat(bf16, (t, hidden)), mat(u8, (1,))
     return [
-        mat(bf16, (t, hidden)),
+        x,
+        x_scale,
         mat(i32, (t, top_k)),
         mat(f32, (t, top_k)),
         mat(u8, (num_experts, hidden // tk, n1, d)),

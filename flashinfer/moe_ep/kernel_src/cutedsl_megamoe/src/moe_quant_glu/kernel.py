@@ -3,7 +3,9 @@
 ``__call__`` enqueues five kernels (no host synchronization), as the BF16 kernel does:
 
 1. routing (the BF16 kernel's);
-2. gather with the activation quantized-dequantized along H (``aux_kernels.quant_gather_kernel``);
+2. gather with the activation quantized-dequantized along H (``aux_kernels.quant_gather_kernel``),
+   or, with ``prequantized``, dequantized from the given codes and block scales
+   (``aux_kernels.dequant_gather_kernel``, no requantization);
 3. FC1: packed weights dequantized to BF16 (in shared memory, ``dequant_gemm``, or with
    ``swap_ab`` for decode in registers, ``swap_gemm``), BF16 WGMMA, the activation and the
    requantization to the FC2 input format in the epilogue -> ``h_buf`` (exact BF16 values);
@@ -14,11 +16,12 @@ The reference semantics are ``flashinfer.moe_ep.core.reference_quant`` with stat
 global scales (``act_gscale = [input scale, FC2 input scale]``; MXFP8 ignores them).
 """
 
+import cutlass
 import cutlass.cute as cute
 
 from ..common import constants
 from ..moe_bf16_glu import aux_kernels
-from .aux_kernels import quant_gather_kernel
+from .aux_kernels import dequant_gather_kernel, quant_gather_kernel
 from .dequant_gemm import DequantGroupedGemmSm90
 from .swap_gemm import SwapDequantGemmSm90
 
@@ -37,6 +40,9 @@ class Sm90MegaMoEQuantKernel:
     :param swap_wg: consumer warpgroups per CTA of the swap-AB GEMMs at most (1: CTA tiles of 256
         weight rows instead of 512, twice as many tiles for few tokens).
     :param num_sms, fc1_stages, fc2_stages, use_pdl, aux_vpt: as the BF16 kernel.
+    :param prequantized: ``x`` holds the activation codes in the format (uint8: E4M3 [T, H] or E2M1
+        pairs [T, H/2]) and ``x_scale`` their block scales (uint8: UE8M0 [T, H/32] or E4M3 [T, H/16]);
+        otherwise ``x`` is bf16 [T, H], quantized by the kernel, and ``x_scale`` is not read.
     """
 
     def __init__(
@@ -56,6 +62,7 @@ class Sm90MegaMoEQuantKernel:
         bf_buffers: int = 3,
         swap_ab: bool = False,
         swap_wg: int = 2,
+        prequantized: bool = False,
     ) -> None:
         if fmt not in constants.QUANT_FORMATS:
             raise ValueError(f"unknown format {fmt!r}")
@@ -66,6 +73,7 @@ class Sm90MegaMoEQuantKernel:
         if not swap_ab and tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {tile_m}")
         self.swap_ab = swap_ab
+        self.prequantized = prequantized
         self.fmt = fmt
         self.activation = activation
         self.limit = limit
@@ -112,7 +120,8 @@ class Sm90MegaMoEQuantKernel:
     @cute.jit
     def __call__(
         self,
-        x: cute.Tensor,  # [T, H] bf16
+        x: cute.Tensor,  # [T, H] bf16, or with ``prequantized`` the codes (uint8)
+        x_scale: cute.Tensor,  # with ``prequantized`` the block scales (uint8), else unused
         topk_ids: cute.Tensor,  # [T, K] int32
         topk_weights: cute.Tensor,  # [T, K] fp32
         w13: cute.Tensor,  # [E, H/64, N1, D] uint8 data (weights.pack_quantized_weights)
@@ -149,9 +158,15 @@ class Sm90MegaMoEQuantKernel:
             1,
             False,
         ).launch(grid=[self.num_sms, 1, 1], block=[constants.ROUTING_THREADS, 1, 1], stream=stream, use_pdl=pdl)
-        quant_gather_kernel(
-            x, topk_ids, pair_rank, expert_off, cta_base, pair_row, a_buf, act_gscale, self.num_sms, self.fmt
-        ).launch(grid=[self.aux_grid, 1, 1], block=[self.aux_threads, 1, 1], stream=stream, use_pdl=pdl)
+        if cutlass.const_expr(self.prequantized):
+            gather = dequant_gather_kernel(
+                x, x_scale, topk_ids, pair_rank, expert_off, cta_base, pair_row, a_buf, self.num_sms, self.fmt
+            )
+        else:
+            gather = quant_gather_kernel(
+                x, topk_ids, pair_rank, expert_off, cta_base, pair_row, a_buf, act_gscale, self.num_sms, self.fmt
+            )
+        gather.launch(grid=[self.aux_grid, 1, 1], block=[self.aux_threads, 1, 1], stream=stream, use_pdl=pdl)
         self.fc1.launch(a_buf, w13, w13_scale, h_buf, m_block_expert, meta, w13_gscale, act_gscale, stream, pdl)
         self.fc2.launch(h_buf, w2, w2_scale, a_buf, m_block_expert, meta, w2_gscale, act_gscale, stream, pdl)
         aux_kernels.combine_kernel(a_buf, pair_row, topk_weights, out, topk_ids.shape[1], self.aux_vpt).launch(

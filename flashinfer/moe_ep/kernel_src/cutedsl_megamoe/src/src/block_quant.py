@@ -124,6 +124,18 @@ def e4m3_to_f32(byte: Uint32) -> Float32:
     )
 
 
+def e2m1_to_f32(nibble: Uint32) -> Float32:
+    """One E2M1 code (the low 4 bits: sign, two exponent bits, one mantissa bit) to fp32, exactly:
+    ``2**(e - 1) * (1 + m / 2)`` for e > 0, ``m / 2`` for e = 0."""
+    mag = nibble & Uint32(7)
+    e = mag >> 1
+    m = mag & Uint32(1)
+    normal = ((e + Uint32(126)) << 23) | (m << 22)
+    sub = _sel(m != Uint32(0), Uint32(0x3F000000), Uint32(0), Uint32)  # 0.5 or 0
+    bits = _sel(e != Uint32(0), normal, sub, Uint32) | ((nibble & Uint32(8)) << 28)
+    return f32_from_bits(bits)
+
+
 #: ``prmt`` selectors of ``e4m3x4_to_bf16x4``: bytes (2p, sign of 2p, 2p+1, sign of 2p+1) for pair p
 E4M3_PAIR_SELECTORS = (0x9180, 0xB3A2)
 #: the BF16 bits an E4M3 byte lands on after ``prmt`` and ``<< 4``: sign, then exponent and mantissa
@@ -294,6 +306,7 @@ __all__ = [
     "E4M3_PAIR_SELECTORS",
     "MXFP8_ACC_SCALE",
     "NVFP4_ACC_SCALE",
+    "e2m1_to_f32",
     "e2m1x8_to_bf16x8",
     "e4m3_to_f32",
     "e4m3x4_to_bf16x4",
