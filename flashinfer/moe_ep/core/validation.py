@@ -122,11 +122,8 @@ def _prequantized_well_formed(
         and _well_formed(codes, t, int(hidden * per_h), code_dtype, device)
         and scales.dtype in scale_dtypes
         and _well_formed(scales, t, hidden // block, scales.dtype, device)
-        and _well_formed(ids, t, top_k, torch.int32, device)
-        and _well_formed(w, t, top_k, torch.float32, device)
-        and (out is None or (_well_formed(out, t, hidden, torch.bfloat16, device)
-                             and (t == 0 or out.data_ptr() != codes.data_ptr())))  # type: ignore[union-attr]
-    )  # fmt: skip
+        and _routing_well_formed(t, codes, ids, w, out, hidden, top_k, device)
+    )
 
 
 def _check_prequantized(
@@ -150,14 +147,20 @@ def _check_prequantized(
             f"this layer takes pre-quantized {input_format} activations: hidden_states holds the codes and "
             "MoEEpTensors.scales their block scales (scales is None)"
         )
-    check_tensor("hidden_states", codes, shape=(None, int(hidden_size * per_h)), dtype=code_dtype, device=device)
-    t = codes.shape[0]
+    t = _check_hidden_rows(codes, int(hidden_size * per_h), code_dtype, max_tokens, device)
+    check_tensor("scales", scales, shape=(t, hidden_size // block), dtype=scale_dtypes, device=device)
+    return t
+
+
+def _check_hidden_rows(x: torch.Tensor, cols: int, dtype: torch.dtype, max_tokens: int, device: torch.device) -> int:
+    """hidden_states [T, cols] of ``dtype`` with T within the workspace capacity; returns T."""
+    check_tensor("hidden_states", x, shape=(None, cols), dtype=dtype, device=device)
+    t = x.shape[0]
     if t > max_tokens:
         raise MoEEpInputError(
             f"hidden_states has T={t} tokens, above FleetParams.max_tokens_per_rank={max_tokens} "
             "(the workspace capacity)"
         )
-    check_tensor("scales", scales, shape=(t, hidden_size // block), dtype=scale_dtypes, device=device)
     return t
 
 
@@ -191,13 +194,7 @@ def _check_forward_fields(
 ) -> None:
     """The rules of ``_all_well_formed`` one field at a time, raising ``MoEEpInputError`` on the first
     broken one with what it expected and what it got."""
-    check_tensor("hidden_states", hidden_states, shape=(None, hidden_size), dtype=torch.bfloat16, device=device)
-    t = hidden_states.shape[0]
-    if t > max_tokens:
-        raise MoEEpInputError(
-            f"hidden_states has T={t} tokens, above FleetParams.max_tokens_per_rank={max_tokens} "
-            "(the workspace capacity)"
-        )
+    t = _check_hidden_rows(hidden_states, hidden_size, torch.bfloat16, max_tokens, device)
     _check_routing_and_output(t, hidden_states, topk_ids, topk_weights, output, hidden_size, top_k, device)
 
 
@@ -232,7 +229,16 @@ def _all_well_formed(
     return (
         t <= max_tokens
         and _well_formed(x, t, hidden, torch.bfloat16, device)
-        and _well_formed(ids, t, top_k, torch.int32, device)
+        and _routing_well_formed(t, x, ids, w, out, hidden, top_k, device)
+    )
+
+
+def _routing_well_formed(
+    t: int, x: torch.Tensor, ids: object, w: object, out: object, hidden: int, top_k: int, device: torch.device
+) -> bool:
+    """The routing tensors and the output buffer (not aliasing ``x``) of a T-token forward."""
+    return (
+        _well_formed(ids, t, top_k, torch.int32, device)
         and _well_formed(w, t, top_k, torch.float32, device)
         and (out is None or (_well_formed(out, t, hidden, torch.bfloat16, device)
                              and (t == 0 or out.data_ptr() != x.data_ptr())))  # type: ignore[union-attr]

@@ -265,6 +265,18 @@ def _write_expert_pairs(
             m_block_expert[half + 2 * s_scan[2 + l_excl // 2] + 1] = first + blocks - 1
 
 
+def item_grid(num_tokens, top_k, num_route_ctas: int):
+    """(first item, item stride) of this thread in a gather's grid-stride loop over its items, and the
+    routing chunk size; waits for the routing kernel's results first (a no-op without PDL)."""
+    tid, _, _ = cute.arch.thread_idx()
+    bid, _, _ = cute.arch.block_idx()
+    nblk, _, _ = cute.arch.grid_dim()
+    bdim, _, _ = cute.arch.block_dim()
+    cute.arch.griddepcontrol_launch_dependents()
+    cute.arch.griddepcontrol_wait()
+    return bid * bdim + tid, nblk * bdim, chunk_size(num_tokens * top_k, num_route_ctas)
+
+
 @cute.kernel
 def gather_kernel(
     x: cute.Tensor,  # (T, H) bf16
@@ -291,16 +303,10 @@ def gather_kernel(
     num_tokens = x.shape[0]
     top_k = topk_ids.shape[1]
     ngrp = hidden // (vec * vpt)
-    tid, _, _ = cute.arch.thread_idx()
-    bid, _, _ = cute.arch.block_idx()
-    nblk, _, _ = cute.arch.grid_dim()
-    bdim, _, _ = cute.arch.block_dim()
-    cute.arch.griddepcontrol_launch_dependents()
-    cute.arch.griddepcontrol_wait()  # routing results (no-op without PDL)
-    chunk = chunk_size(num_tokens * top_k, num_route_ctas)
+    first, stride, chunk = item_grid(num_tokens, top_k, num_route_ctas)
     frags = [cute.make_rmem_tensor((1, vec), x.element_type) for _ in range(vpt)]
     rows = cute.make_rmem_tensor((top_k,), cutlass.Int32)
-    for item in cutlass.range(bid * bdim + tid, num_tokens * ngrp, nblk * bdim):
+    for item in cutlass.range(first, num_tokens * ngrp, stride):
         t = item // ngrp
         g = item - t * ngrp
         for j in cutlass.range_constexpr(vpt):

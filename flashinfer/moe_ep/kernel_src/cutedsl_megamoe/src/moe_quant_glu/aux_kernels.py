@@ -13,7 +13,7 @@ import cutlass
 import cutlass.cute as cute
 
 from ..common import constants
-from ..moe_bf16_glu.aux_kernels import chunk_size
+from ..moe_bf16_glu.aux_kernels import item_grid
 from ..src import block_quant as bq
 
 ITEM = 32  # hidden elements per thread item: one MXFP8 block, two NVFP4 blocks
@@ -38,13 +38,7 @@ def quant_gather_kernel(
     num_tokens = x.shape[0]
     top_k = topk_ids.shape[1]
     nitem = hidden // ITEM
-    tid, _, _ = cute.arch.thread_idx()
-    bid, _, _ = cute.arch.block_idx()
-    nblk, _, _ = cute.arch.grid_dim()
-    bdim, _, _ = cute.arch.block_dim()
-    cute.arch.griddepcontrol_launch_dependents()
-    cute.arch.griddepcontrol_wait()
-    chunk = chunk_size(num_tokens * top_k, num_route_ctas)
+    first, stride, chunk = item_grid(num_tokens, top_k, num_route_ctas)
     frag = cute.make_rmem_tensor((1, ITEM), x.element_type)
     vals = cute.make_rmem_tensor((1, ITEM), cutlass.Float32)
     qfrag = cute.make_rmem_tensor((1, ITEM), x.element_type)
@@ -52,7 +46,7 @@ def quant_gather_kernel(
     gs = cutlass.Float32(1.0)
     if cutlass.const_expr(fmt == constants.FMT_NVFP4):
         gs = act_gscale[0]
-    for item in cutlass.range(bid * bdim + tid, num_tokens * nitem, nblk * bdim):
+    for item in cutlass.range(first, num_tokens * nitem, stride):
         t = item // nitem
         g = item - t * nitem
         for j in cutlass.range_constexpr(nvec):
@@ -97,18 +91,12 @@ def dequant_gather_kernel(
     nitem = x_scale.shape[1] // scales_per_item
     item_bytes = ITEM if fmt == constants.FMT_MXFP8 else ITEM // 2
     nraw = item_bytes // 16
-    tid, _, _ = cute.arch.thread_idx()
-    bid, _, _ = cute.arch.block_idx()
-    nblk, _, _ = cute.arch.grid_dim()
-    bdim, _, _ = cute.arch.block_dim()
-    cute.arch.griddepcontrol_launch_dependents()
-    cute.arch.griddepcontrol_wait()
-    chunk = chunk_size(num_tokens * top_k, num_route_ctas)
+    first, stride, chunk = item_grid(num_tokens, top_k, num_route_ctas)
     raw = cute.make_rmem_tensor((1, item_bytes), cutlass.Uint8)
     vals = cute.make_rmem_tensor((1, ITEM), cutlass.Float32)
     qfrag = cute.make_rmem_tensor((1, ITEM), a_buf.element_type)
     rows = cute.make_rmem_tensor((top_k,), cutlass.Int32)
-    for item in cutlass.range(bid * bdim + tid, num_tokens * nitem, nblk * bdim):
+    for item in cutlass.range(first, num_tokens * nitem, stride):
         t = item // nitem
         g = item - t * nitem
         for j in cutlass.range_constexpr(nraw):

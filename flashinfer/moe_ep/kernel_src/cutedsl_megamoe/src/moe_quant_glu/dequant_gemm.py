@@ -46,6 +46,12 @@ def packed_view(w: cute.Tensor, inner: int) -> cute.Tensor:
     return cute.make_tensor(w.iterator, layout)
 
 
+def ring_state(stages: int, n):
+    """The consumer state of the n-th K tile taken from a ring of ``stages`` (the phase flips at each
+    wrap): consumers derive every state from one running count."""
+    return pipeline.PipelineState(stages, n, n % stages, (n // stages) & 1)
+
+
 def box_inner(rows: int, row_bytes: int) -> int:
     """The inner TMA box extent for ``rows`` packed rows of ``row_bytes``: 256 bytes, or the whole run."""
     return min(RAW_BOX, rows * row_bytes)
@@ -471,8 +477,7 @@ class DequantGroupedGemmSm90(GroupedGemmSm90):
             self.conv_barrier.arrive_and_wait()
 
     def _ring_state(self, n):
-        """The consumer state of the n-th K tile taken from the ring (phase flips at each wrap)."""
-        return pipeline.PipelineState(self.ab_stages, n, n % self.ab_stages, (n // self.ab_stages) & 1)
+        return ring_state(self.ab_stages, n)
 
     def _conv_offsets(self, ctid):
         """Per-thread shared-memory offsets of the conversion (constant over the kernel): thread

@@ -46,7 +46,7 @@ from ..common import constants
 from ..common.host_utils import swap_tile_plan
 from ..src import activations
 from ..src import block_quant as bq
-from .dequant_gemm import box_inner, packed_view
+from .dequant_gemm import box_inner, packed_view, ring_state
 
 EPI_PLAIN = "plain"
 
@@ -335,8 +335,7 @@ class SwapDequantGemmSm90:
                 ab_pipe.consumer_release(self._ring_state(consumed - 1))
 
     def _ring_state(self, n):
-        """The consumer state of the n-th K tile taken from the ring (phase flips at each wrap)."""
-        return pipeline.PipelineState(self.ab_stages, n, n % self.ab_stages, (n // self.ab_stages) & 1)
+        return ring_state(self.ab_stages, n)
 
     def _k_step(self, ab_pipe, n, tiled_mma, acc, frag, frag_words, tCrB, data_base, scale_base, offsets):
         """K tile number ``n`` of the ring: convert into ``frag`` (its previous reader, WGMMA n-2, is
