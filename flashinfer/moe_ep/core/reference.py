@@ -96,6 +96,23 @@ def combine_topk(y_pairs: torch.Tensor, topk_weights: torch.Tensor) -> torch.Ten
     return acc.to(torch.bfloat16)
 
 
+#: formats of the expert outputs ``y`` on their way back to the token's rank (the EP combine wire)
+COMBINE_DTYPES = ("bf16", "mxfp8")
+
+
+def combine_wire(y: torch.Tensor, combine_dtype: str) -> torch.Tensor:
+    """bf16 expert outputs ``y [..., H]`` as the combine receives them: unchanged (``"bf16"``), or
+    quantized to MXFP8 along H (blocks of 32, ``core.quant.quantize_mxfp8``) and dequantized, exactly
+    representable in bf16 again (``"mxfp8"``: 1 + 1/32 bytes per element on the wire instead of 2)."""
+    if combine_dtype == "bf16":
+        return y
+    if combine_dtype != "mxfp8":
+        raise ValueError(f"combine_dtype must be one of {COMBINE_DTYPES}, got {combine_dtype!r}")
+    from .quant import dequantize_mxfp8, quantize_mxfp8
+
+    return dequantize_mxfp8(*quantize_mxfp8(y)).to(torch.bfloat16)
+
+
 def moe_reference(
     hidden_states: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -107,6 +124,7 @@ def moe_reference(
     compute_dtype: torch.dtype = torch.float32,
     *,
     return_term_scale: bool = False,
+    combine_dtype: str = "bf16",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The whole layer on one process holding every expert: [T, H] bf16.
 
@@ -114,7 +132,7 @@ def moe_reference(
     ``return_term_scale``: also return ``S = sum_k |w[t,k]| (|y_(t,k)| + (|a_(t,k)| @ |w2|^T))`` (fp32
     [T, H]): the magnitude of the terms of the combine and of FC2, which bounds, to first order, what a
     one-ulp difference in any bf16 intermediate (``a`` or ``y``) can do to an output element (see
-    ``core.inputs.rounding_ulps``).
+    ``core.inputs.rounding_ulps``). ``combine_dtype``: the wire format of ``y`` (``combine_wire``).
     """
     spec = activation if isinstance(activation, ActivationSpec) else ActivationSpec(activation, activation_limit)
     t, k = topk_ids.shape
@@ -122,6 +140,7 @@ def moe_reference(
     x_rows = hidden_states.repeat_interleave(k, dim=0) if t else hidden_states[:0]
     fc2_abs = torch.empty(t * k, w2.shape[1], device=hidden_states.device) if return_term_scale else None
     y = expert_outputs(x_rows, flat_ids, w13, w2, spec, compute_dtype, fc2_abs).view(t, k, w2.shape[1])
+    y = combine_wire(y, combine_dtype)
     out = combine_topk(y, topk_weights)
     if fc2_abs is None:
         return out
@@ -130,4 +149,12 @@ def moe_reference(
     return out, scale
 
 
-__all__ = ["combine_topk", "exact_fp32_matmul", "expert_mlp", "expert_outputs", "moe_reference"]
+__all__ = [
+    "COMBINE_DTYPES",
+    "combine_topk",
+    "combine_wire",
+    "exact_fp32_matmul",
+    "expert_mlp",
+    "expert_outputs",
+    "moe_reference",
+]

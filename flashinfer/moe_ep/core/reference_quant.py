@@ -42,7 +42,7 @@ from .quant import (
     quantize_mxfp8,
     quantize_nvfp4,
 )
-from .reference import combine_topk, exact_fp32_matmul
+from .reference import combine_topk, combine_wire, exact_fp32_matmul
 from .validation import check_tensor
 
 QUANT_FORMATS = ("mxfp8", "nvfp4")
@@ -363,6 +363,7 @@ def moe_reference_quantized(
     return_term_scale: bool = False,
     input_global_scale: float | torch.Tensor | None = None,
     fc2_input_global_scale: float | torch.Tensor | None = None,
+    combine_dtype: str = "bf16",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The quantized layer on one process holding every expert: [T, H] bf16 (see the module docstring).
 
@@ -372,7 +373,8 @@ def moe_reference_quantized(
     scales, ``None`` = dynamic from the tensor (``input_global_scale`` must be None for pre-quantized
     inputs, which carry theirs). ``compute_dtype=torch.float64`` gives an fp64-accumulated oracle with the
     same rounding points. ``return_term_scale``: also return ``S = sum_k |w| (|y| + |aq| @ |w2|^T)`` as
-    :func:`core.reference.moe_reference` does (with the dequantized operands).
+    :func:`core.reference.moe_reference` does (with the dequantized operands). ``combine_dtype``: the
+    wire format of ``y`` (:func:`core.reference.combine_wire`).
     """
     fmt = check_format(fmt)
     if weights.fmt != fmt:
@@ -397,6 +399,7 @@ def moe_reference_quantized(
     aq, _ = fake_quantize_activation(a, fmt, fc2_input_global_scale)
     fc2_abs = torch.empty(t * k, h_size, device=xq.device) if return_term_scale else None
     y = quantized_fc2(aq, flat_ids, w2_deq, compute_dtype, fc2_abs).view(t, k, h_size)
+    y = combine_wire(y, combine_dtype)
     out = combine_topk(y, topk_weights)
     if fc2_abs is None:
         return out

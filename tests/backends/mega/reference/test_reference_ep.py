@@ -1,4 +1,5 @@
-"""Reference EP over gloo (world 2 and 4) equals the single-process reference on the same global inputs."""
+"""Reference EP over gloo (world 2 and 4) equals the single-process reference on the same global inputs,
+with the bf16 and the MXFP8 combine wire."""
 
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ def _global_inputs(seed: int, tokens_per_rank: list[int], routing: str):
     return w13, w2, x, ids.to(torch.int32), w
 
 
-def _rank(rank: int, world: int, seed: int, tokens_per_rank: list[int], routing: str) -> torch.Tensor:
+def _rank(
+    rank: int, world: int, seed: int, tokens_per_rank: list[int], routing: str, combine_dtype: str = "bf16"
+) -> torch.Tensor:
     w13, w2, x, ids, w = _global_inputs(seed, tokens_per_rank, routing)
     lo = sum(tokens_per_rank[:rank])
     mine = slice(lo, lo + tokens_per_rank[rank])
@@ -34,7 +37,7 @@ def _rank(rank: int, world: int, seed: int, tokens_per_rank: list[int], routing:
         moe.BootstrapConfig(world_size=world, rank=rank, device="cpu"),
         moe.FleetParams(E, max(tokens_per_rank), H),
         moe.MoEWeightPack(w13[experts].contiguous(), w2[experts].contiguous()),
-        backend=moe.MegaConfig(moe.ReferenceMegaMoeConfig(H, I, E, K)),
+        backend=moe.MegaConfig(moe.ReferenceMegaMoeConfig(H, I, E, K, combine_dtype=combine_dtype)),
     )
     outs = [layer.forward(moe.MoEEpTensors(x[mine], ids[mine], w[mine])) for _ in range(2)]
     assert torch.equal(outs[0], outs[1])  # deterministic across calls
@@ -42,16 +45,22 @@ def _rank(rank: int, world: int, seed: int, tokens_per_rank: list[int], routing:
 
 
 @pytest.mark.parametrize(
-    "tokens_per_rank,routing",
-    [([5, 0], "uniform"), ([7, 3, 0, 11], "uniform"), ([4, 9, 1, 0], "skewed"), ([1, 1], "one_expert")],
+    "tokens_per_rank,routing,combine_dtype",
+    [
+        ([5, 0], "uniform", "bf16"),
+        ([7, 3, 0, 11], "uniform", "bf16"),
+        ([4, 9, 1, 0], "skewed", "bf16"),
+        ([1, 1], "one_expert", "bf16"),
+        ([6, 2, 0, 5], "uniform", "mxfp8"),  # results cross back as MXFP8 codes and scales
+    ],
 )
-def test_ep_equals_single_process(tokens_per_rank: list[int], routing: str) -> None:
+def test_ep_equals_single_process(tokens_per_rank: list[int], routing: str, combine_dtype: str) -> None:
     world = len(tokens_per_rank)
     seed = int(torch.randint(0, 2**31 - 1, (1,)))
-    outs = run_on_local_ranks(_rank, world, seed, tokens_per_rank, routing)
+    outs = run_on_local_ranks(_rank, world, seed, tokens_per_rank, routing, combine_dtype)
     w13, w2, x, ids, w = _global_inputs(seed, tokens_per_rank, routing)
     assert not bool((ids == UNUSED_EXPERT).any())
-    want = moe_reference(x, ids, w, w13, w2)
+    want = moe_reference(x, ids, w, w13, w2, combine_dtype=combine_dtype)
     got = torch.cat(outs)
     assert [o.shape[0] for o in outs] == tokens_per_rank
     # Same rounding points; only fp32 accumulation order may differ: allow 1 bf16 ulp.

@@ -10,6 +10,7 @@ import torch
 
 import flashinfer.moe_ep as moe
 from flashinfer.moe_ep.core.inputs import make_expert_weights, make_hidden_states, make_topk, rounding_ulps
+from flashinfer.moe_ep.core.reference import moe_reference
 from flashinfer.moe_ep.core.reference_quant import (
     QuantizedExpertWeights,
     moe_reference_quantized,
@@ -57,6 +58,24 @@ def test_world1_equals_reference(fmt: str, act: str, t: int) -> None:
     layer = _layer(_pack(q), _config(fmt, act))
     got = layer.forward(moe.MoEEpTensors(x, ids, w))
     assert torch.equal(got, moe_reference_quantized(x, ids, w, q, act, fmt=fmt))
+    layer.destroy()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8", "nvfp4"])
+def test_mxfp8_combine_wire_rounds_the_expert_outputs(fmt: str) -> None:
+    """``combine_dtype="mxfp8"``: every expert output row is quantized to MXFP8 along H before the combine
+    (world 1 too), which changes the result against the bf16 wire and equals the reference with it."""
+    w13, w2, x, ids, w = _inputs(21, 9)
+    if fmt == "bf16":
+        pack, want = moe.MoEWeightPack(w13, w2), moe_reference(x, ids, w, w13, w2, combine_dtype="mxfp8")
+        plain = moe_reference(x, ids, w, w13, w2)
+    else:
+        q = quantize_expert_weights(w13, w2, fmt)
+        pack, want = _pack(q), moe_reference_quantized(x, ids, w, q, fmt=fmt, combine_dtype="mxfp8")
+        plain = moe_reference_quantized(x, ids, w, q, fmt=fmt)
+    layer = _layer(pack, _config(fmt, combine_dtype="mxfp8"))
+    got = layer.forward(moe.MoEEpTensors(x, ids, w))
+    assert torch.equal(got, want) and not torch.equal(got, plain)
     layer.destroy()
 
 
@@ -113,6 +132,7 @@ def _rank(rank: int, world: int, seed: int, tokens_per_rank: list[int], fmt: str
         ("mxfp8", "swiglu", [7, 3], {}),
         ("nvfp4", "swiglu", [5, 0], {}),  # dynamic scales: all-reduced amax
         ("nvfp4", "relu2", [4, 9], {"input_global_scale": 2e-3, "fc2_input_global_scale": 1e-3}),
+        ("mxfp8", "swiglu", [6, 4], {"combine_dtype": "mxfp8"}),
     ],
 )
 def test_ep_world2_equals_single_process(fmt: str, act: str, tokens_per_rank: list[int], kw: dict) -> None:
@@ -180,6 +200,10 @@ def test_bad_packs_raise() -> None:
 def test_bad_configs_raise() -> None:
     with pytest.raises(moe.MoEEpConfigError, match="weight_format must be one of"):
         _config("fp8")
+    with pytest.raises(moe.MoEEpConfigError, match="combine_dtype must be one of"):
+        _config("mxfp8", combine_dtype="fp8")
+    with pytest.raises(moe.MoEEpConfigError, match="combine_dtype='mxfp8' needs hidden_size"):
+        moe.ReferenceMegaMoeConfig(48, I, E, K, combine_dtype="mxfp8")
     with pytest.raises(moe.MoEEpConfigError, match="multiple of 32"):
         moe.ReferenceMegaMoeConfig(48, I, E, K, weight_format="mxfp8")
     with pytest.raises(moe.MoEEpConfigError, match="intermediate_size to be a multiple of 16"):
