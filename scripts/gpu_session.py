@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """One GPU session in two halves, so device time is spent only on running.
 
-Here (any machine, no GPU needed):   python scripts/gpu_session.py build [--cache .kcache]
-    compiles every kernel variant the GPU tests and the benchmark use into the kernel cache.
+Here (any machine, no GPU needed):   python scripts/gpu_session.py build [--cache .kcache] [--jobs 2]
+    compiles every kernel variant the GPU tests and the benchmark use into the kernel cache (--jobs:
+    the block-scaled kernels in that many processes, beside the BF16 and EP builds).
 There (the H200, through the device tool, carrying .gpu and .kcache):
     source .gpu/env.sh && python scripts/gpu_session.py run [--bench-tokens ...] 2>&1 | tee $OUT/log
     runs the GPU tests, then the benchmark, and prints the benchmark table last.
@@ -33,9 +34,10 @@ os.environ.setdefault("FLASHINFER_MOE_EP_KNOB_CACHE", "off")  # defaults only, t
 QUANT_SWEEP_KNOBS = [{"tile_m": t, "swap_ab": True} for t in (64, 128)]
 
 
-def build_quant(cache: Path) -> None:
+def build_quant(cache: Path, shard: tuple[int, int] = (0, 1)) -> None:
     """The MXFP8 / NVFP4 kernels of their GPU test and of the benchmark contracts (every token bucket,
-    and ``QUANT_SWEEP_KNOBS``)."""
+    with bf16 and with pre-quantized activations, and ``QUANT_SWEEP_KNOBS``). ``shard`` (i, n): only
+    every n-th distinct kernel from the i-th (``build --jobs`` runs the shards side by side)."""
     from flashinfer.moe_ep.backends.mega.kernel.sm90.block_scaled import bucket_frontends
     from flashinfer.moe_ep.core.contracts import get_contract
     from tests.backends.mega.kernel.sm90.test_quant_gpu import CONFIG_CLS, GPU_VARIANTS
@@ -44,25 +46,50 @@ def build_quant(cache: Path) -> None:
     for fmt, cls in CONFIG_CLS.items():
         for name in BENCH_CONTRACTS:
             c = get_contract(name)
+            shape = (c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit)
             for knobs in (None, *QUANT_SWEEP_KNOBS):
-                variants.append((f"{fmt}-{name}", cls(c.hidden_size, c.intermediate_size, c.num_experts, c.top_k,
-                                                      c.activation, c.activation_limit, knobs)))  # fmt: skip
-    for i, (name, cfg) in enumerate(variants, 1):
+                variants.append((f"{fmt}-{name}", cls(*shape, knobs)))
+            # bench --prequantized
+            variants.append((f"{fmt}-{name}-prequantized", cls(*shape, prequantized_input=True)))
+    kernels: dict[str, tuple[str, object]] = {}
+    for name, cfg in variants:
+        for fe in bucket_frontends(cfg, cfg.num_experts).values():
+            kernels.setdefault(fe.key.digest(), (name, fe))
+    mine = sorted(kernels.items())[shard[0] :: shard[1]]
+    for i, (_, (name, fe)) in enumerate(mine, 1):
         t0 = time.perf_counter()
-        for fe in dict.fromkeys(bucket_frontends(cfg, cfg.num_experts).values()):
-            lib = fe.build(cache)
-            print(f"[{i}/{len(variants)}] {name} tile_m={fe.knobs.tile_m}: {lib.name} "
-                  f"({time.perf_counter() - t0:.1f} s)", flush=True)  # fmt: skip
+        lib = fe.build(cache)
+        print(f"[{i}/{len(mine)}] {name} tile_m={fe.knobs.tile_m}: {lib.name} ({time.perf_counter() - t0:.1f} s)",
+              flush=True)  # fmt: skip
 
 
-def build(cache: Path, tune_contracts: bool = False, only: str | None = None, ep_worlds=(2, 4, 8)) -> int:
+def build(
+    cache: Path,
+    tune_contracts: bool = False,
+    only: str | None = None,
+    ep_worlds=(2, 4, 8),
+    jobs: int = 1,
+    shard: tuple[int, int] | None = None,
+) -> int:
+    """``jobs`` > 1: the block-scaled kernels (most of the build) compile in that many processes, which
+    run beside the BF16 and EP builds of this one. ``shard``: one such process (quant kernels only)."""
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    if only in (None, "quant"):
+    if shard is not None:
+        build_quant(cache, shard)
+        return 0
+    children = []
+    if only in (None, "quant") and jobs > 1:
+        me = [sys.executable, str(Path(__file__).resolve()), "build", "--cache", str(cache)]
+        children = [subprocess.Popen([*me, "--shard", f"{i}/{jobs}"], cwd=ROOT) for i in range(jobs)]
+    elif only in (None, "quant"):
         build_quant(cache)
     if only in (None, "bf16"):
         build_bf16(cache, tune_contracts)
     if only in (None, "ep"):
         build_ep(cache, tuple(ep_worlds))
+    if any(child.wait() for child in children):
+        print("build: a block-scaled shard failed (its output is above)", flush=True)
+        return 1
     size = sum(p.stat().st_size for p in cache.rglob("*") if p.is_file())
     print(f"kernel cache {cache}: {size / 2**20:.1f} MiB")
     return 0
@@ -272,6 +299,8 @@ def main() -> int:
         help="build: only the MXFP8 / NVFP4, the world-1 BF16 or the expert-parallel kernels",
     )
     p.add_argument("--ep-worlds", type=int, nargs="+", default=[2, 4, 8], help="build: the EP world sizes")
+    p.add_argument("--jobs", type=int, default=1, help="build: processes for the block-scaled kernels")
+    p.add_argument("--shard", default=None, help=argparse.SUPPRESS)  # I/N: one process of --jobs
     p.add_argument("--world", type=int, default=2, help="multigpu: the number of GPUs (ranks)")
     p.add_argument("--ep-tokens", nargs="*", default=["8", "128", "2048", "8192"], help="multigpu: tokens per rank")
     p.add_argument("--ep-knobs", nargs="+", default=["default"], help="multigpu: ep_bench.py --knobs specs")
@@ -279,7 +308,8 @@ def main() -> int:
     p.add_argument("--layer-test", action="store_true", help="multigpu: also the loopback EP tests")
     a = p.parse_args()
     if a.what == "build":
-        return build(a.cache, a.tune_contracts, a.only, a.ep_worlds)
+        shard = tuple(int(v) for v in a.shard.split("/")) if a.shard else None
+        return build(a.cache, a.tune_contracts, a.only, a.ep_worlds, a.jobs, shard)
     if a.what == "multigpu":
         return multigpu(a.cache, a.world, a.ep_tokens, a.ep_knobs, a.skip_tests, a.layer_test, a.ep_profile)
     return run(a.cache, a.bench_tokens, a.out, a.skip_tests, a.skip_bench)
