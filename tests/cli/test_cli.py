@@ -78,5 +78,6 @@ def test_bench_knob_lists_and_prequantized_inputs() -> None:
     import flashinfer.moe_ep as moe
 
     s = moe.MoEEpTensors(torch.randn(3, 64).bfloat16(), torch.zeros(3, 2, dtype=torch.int32), torch.ones(3, 2))
-    q = prequantized_tensors(s, "nvfp4", 1.0)
+    cfg = moe.Sm90_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig(64, 64, 2, 2, prequantized_input=True)
+    q = prequantized_tensors(s, cfg)
     assert q.hidden_states.shape == (3, 32) and q.scales.shape == (3, 4) and q.topk_ids is s.topk_ids

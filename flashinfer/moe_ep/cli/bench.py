@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
+from ..backends.mega.kernel.sm90.runtime import prequantized_inputs
 from ..config import BootstrapConfig, FleetParams, MegaConfig, MoEEpTensors, MoEWeightPack
 from ..core.baselines import grouped_mm_moe
 from ..core.contracts import get_contract
 from ..core.inputs import make_expert_weights, make_hidden_states, make_topk, relative_errors, rounding_ulps
-from ..core.quant import quantize_activations
 from ..core.reference import moe_reference
 from ..core.reference_quant import moe_reference_quantized, nvfp4_static_scales, quantize_expert_weights
 from ..errors import MoEEpConfigError
@@ -238,9 +238,8 @@ def bench_contract(
         layer, q, extra = make_bench_layer(c, entry, w13, w2, entry_knobs, max(tokens), gen, prequantized)
         for t in tokens:
             inputs = inputs_of[t]
-            feed = inputs  # what the layer takes: the bf16 inputs, or their codes quantized before timing
-            if layer.config.input_format != "bf16":
-                feed = [prequantized_tensors(s, fmt, extra.get("input_global_scale")) for s in inputs]
+            # what the layer takes: the bf16 inputs, or their codes quantized before timing
+            feed = [prequantized_tensors(s, layer.config) for s in inputs]
             outs = [torch.empty(t, c.hidden_size, dtype=torch.bfloat16, device=dev) for _ in range(sets)]
 
             def ours_fn(
@@ -318,9 +317,10 @@ def bench_contract(
     return rows
 
 
-def prequantized_tensors(s: MoEEpTensors, fmt: str, global_scale: float | None) -> MoEEpTensors:
-    """``s`` with its bf16 hidden_states replaced by their ``fmt`` codes and block scales."""
-    codes, scales = quantize_activations(s.hidden_states, fmt, global_scale)
+def prequantized_tensors(s: MoEEpTensors, config: Any) -> MoEEpTensors:
+    """``s`` as a layer of ``config`` takes it: its bf16 hidden_states replaced by their codes and block
+    scales where the config takes pre-quantized activations (``runtime.prequantized_inputs``)."""
+    codes, scales = prequantized_inputs(config, s.hidden_states)
     return MoEEpTensors(codes, s.topk_ids, s.topk_weights, scales=scales)
 
 

@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from ....config import MoEEpTensors, MoEWeightPack
-from ....core.quant import dequantize_mxfp8, quantize_mxfp8
 from ....core.reference import combine_topk, combine_wire, expert_outputs
 from ....core.reference_quant import (
     QuantizedExpertWeights,
@@ -88,8 +87,7 @@ class ReferenceMegaMoeBackend(MegaKernelBackend):
                 y = self._ep_expert_outputs(x_pairs, flat)
         else:
             y = self._quantized_expert_outputs(staged, flat)
-        if self.world_size == 1:  # in EP the rows crossed the wire in that format already
-            y = combine_wire(y, self.config.combine_dtype)
+        y = combine_wire(y, self.config.combine_dtype)  # the wire format's rounding, at every world size
         output.copy_(combine_topk(y.view(t, k, self.config.hidden_size), w))
         return output
 
@@ -165,20 +163,10 @@ class ReferenceMegaMoeBackend(MegaKernelBackend):
         else:
             y_recv = experts(x_recv.view(torch.bfloat16), local_ids)
 
-        # the results travel back in the combine wire format (bf16 bytes, or MXFP8 codes then scales)
-        mxfp8 = self.config.combine_dtype == "mxfp8"
-        if mxfp8:
-            codes, scales = quantize_mxfp8(y_recv)
-            payload = torch.cat([codes.view(torch.uint8), scales], dim=1)
-        else:
-            payload = y_recv.view(torch.uint8)
-        y_back = torch.empty(x_pairs.shape[0], payload.shape[1], dtype=torch.uint8, device=x_pairs.device)
-        dist.all_to_all_single(y_back, payload.contiguous(), send_split, recv_split, group=self.group)
+        y_back = torch.empty(x_pairs.shape[0], 2 * h, dtype=torch.uint8, device=x_pairs.device)
+        dist.all_to_all_single(y_back, y_recv.view(torch.uint8), send_split, recv_split, group=self.group)
         y = torch.empty_like(y_back)
         y[order] = y_back
-        if mxfp8:
-            codes = y[:, :h].contiguous().view(torch.float8_e4m3fn)
-            return dequantize_mxfp8(codes, y[:, h:].contiguous()).to(torch.bfloat16)
         return y.view(torch.bfloat16)
 
     def destroy(self) -> None:

@@ -31,8 +31,9 @@ class ReferenceMegaMoeConfig(MegaKernelConfig):
       all-reduce at ``world_size > 1``).
     - ``combine_dtype``: the format of the expert outputs on their way back to the token's rank:
       ``"bf16"`` (default, exact) or ``"mxfp8"`` (E4M3 with a UE8M0 scale per 32 along H: 1 + 1/32 bytes
-      per element instead of 2; ``core.reference.combine_wire``). The rounding is part of the
-      semantics at every world size, so world 1 and EP give the same result.
+      per element instead of 2 for a kernel that sends them so; ``core.reference.combine_wire``). The
+      reference applies the rounding to every expert output at every world size (its all-to-all still
+      moves the rounded rows as bf16), so world 1 and EP give the same result.
     """
 
     kernel_name: ClassVar[str] = "reference"

@@ -111,7 +111,7 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
         # One frontend per token bucket (one weight layout: the tiles differ, not the packing), chosen
         # per forward from the host-side T; one workspace serves all of them.
         self.frontends = bucket_frontends(self.config, self.num_local_experts)
-        self.frontend = make_frontend(self.config, self.num_local_experts)  # the weight layout (every bucket's)
+        self.frontend = self.frontends[BUCKETS[-1].name]  # the weight layout (every bucket packs alike)
         self.weights: Any = None
         self.workspace: dict[str, torch.Tensor] = {}
         self.act_gscale: torch.Tensor | None = None
