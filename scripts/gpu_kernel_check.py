@@ -154,6 +154,11 @@ def variants() -> list[dict]:
         "t128_n256_128": dict(tile_m=128, fc1_tile_n=256, fc2_tile_n=128),
         "mask_rg1": dict(tile_m=128, fc1_tile_n=256, fc2_tile_n=256, stage_mask=0b00111),
         "mask_rg12": dict(tile_m=128, fc1_tile_n=256, fc2_tile_n=256, stage_mask=0b01111),
+        # the layer's decode profile (64 / 256 / 128) with later stages left out: per-stage cost of
+        # the launch chain at small T (`--phase explore --only x_dl --tokens 0 1 2`; wrong outputs)
+        **{f"dl_m{m}": dict(tile_m=64, fc1_tile_n=256, fc2_tile_n=128, stage_mask=m) for m in (1, 3, 7, 15, 31)},
+        "dl_nopdl": dict(tile_m=64, fc1_tile_n=256, fc2_tile_n=128, use_pdl=False),
+        "dl_epidirect": dict(tile_m=64, fc1_tile_n=256, fc2_tile_n=128, epi_direct=True),
     }
     for tag, kw in explore.items():
         out.append(
@@ -578,7 +583,10 @@ def main() -> int:
     ap.add_argument("--build", action="store_true", help="compile + export here (CPU)")
     ap.add_argument("--phase", default="all", choices=["correct", "explore", "perf", "all", "profile"])
     ap.add_argument("--only", default=None, help="substring filter on variant/model names")
+    ap.add_argument("--tokens", type=int, nargs="+", default=None, help="T values of the explore/perf timings")
     args = ap.parse_args()
+    if args.tokens:
+        PERF_TOKENS[:] = args.tokens
     if args.build:
         build(args.only)
         return 0

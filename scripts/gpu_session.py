@@ -34,23 +34,24 @@ os.environ.setdefault("FLASHINFER_MOE_EP_KNOB_CACHE", "off")  # defaults only, t
 QUANT_SWEEP_KNOBS = [{"tile_m": t, "swap_ab": True} for t in (64, 128)]
 
 
-def build_quant(cache: Path, shard: tuple[int, int] = (0, 1)) -> None:
+def build_quant(cache: Path, shard: tuple[int, int] = (0, 1), bench_only: bool = False) -> None:
     """The MXFP8 / NVFP4 kernels of their GPU test and of the benchmark contracts (every token bucket,
     with bf16 and with pre-quantized activations, and ``QUANT_SWEEP_KNOBS``). ``shard`` (i, n): only
-    every n-th distinct kernel from the i-th (``build --jobs`` runs the shards side by side)."""
+    every n-th distinct kernel from the i-th (``build --jobs`` runs the shards side by side).
+    ``bench_only``: only the benchmark contracts' default kernels."""
     from flashinfer.moe_ep.backends.mega.kernel.sm90.block_scaled import bucket_frontends
     from flashinfer.moe_ep.core.contracts import get_contract
     from tests.backends.mega.kernel.sm90.test_quant_gpu import CONFIG_CLS, GPU_VARIANTS
 
-    variants = [(name, CONFIG_CLS[fmt](**geometry)) for name, fmt, geometry in GPU_VARIANTS]
+    variants = [] if bench_only else [(name, CONFIG_CLS[fmt](**geometry)) for name, fmt, geometry in GPU_VARIANTS]
     for fmt, cls in CONFIG_CLS.items():
         for name in BENCH_CONTRACTS:
             c = get_contract(name)
             shape = (c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit)
-            for knobs in (None, *QUANT_SWEEP_KNOBS):
+            for knobs in (None,) if bench_only else (None, *QUANT_SWEEP_KNOBS):
                 variants.append((f"{fmt}-{name}", cls(*shape, knobs)))
-            # bench --prequantized
-            variants.append((f"{fmt}-{name}-prequantized", cls(*shape, prequantized_input=True)))
+            if not bench_only:  # bench --prequantized
+                variants.append((f"{fmt}-{name}-prequantized", cls(*shape, prequantized_input=True)))
     kernels: dict[str, tuple[str, object]] = {}
     for name, cfg in variants:
         for fe in bucket_frontends(cfg, cfg.num_experts).values():
@@ -70,22 +71,25 @@ def build(
     ep_worlds=(2, 4, 8),
     jobs: int = 1,
     shard: tuple[int, int] | None = None,
+    bench_only: bool = False,
 ) -> int:
     """``jobs`` > 1: the block-scaled kernels (most of the build) compile in that many processes, which
-    run beside the BF16 and EP builds of this one. ``shard``: one such process (quant kernels only)."""
+    run beside the BF16 and EP builds of this one. ``shard``: one such process (quant kernels only).
+    ``bench_only``: only the default kernels of the benchmark contracts (world size 1, no EP)."""
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     if shard is not None:
-        build_quant(cache, shard)
+        build_quant(cache, shard, bench_only)
         return 0
     children = []
     if only in (None, "quant") and jobs > 1:
         me = [sys.executable, str(Path(__file__).resolve()), "build", "--cache", str(cache)]
+        me += ["--bench-only"] if bench_only else []
         children = [subprocess.Popen([*me, "--shard", f"{i}/{jobs}"], cwd=ROOT) for i in range(jobs)]
     elif only in (None, "quant"):
-        build_quant(cache)
+        build_quant(cache, bench_only=bench_only)
     if only in (None, "bf16"):
-        build_bf16(cache, tune_contracts)
-    if only in (None, "ep"):
+        build_bf16(cache, tune_contracts, bench_only)
+    if only in (None, "ep") and not bench_only:
         build_ep(cache, tuple(ep_worlds))
     if any(child.wait() for child in children):
         print("build: a block-scaled shard failed (its output is above)", flush=True)
@@ -95,26 +99,30 @@ def build(
     return 0
 
 
-def build_bf16(cache: Path, tune_contracts: bool) -> None:
-    """The world-1 BF16 kernels: GPU tests, bench contracts (every token bucket), autotune candidates."""
+def build_bf16(cache: Path, tune_contracts: bool, bench_only: bool = False) -> None:
+    """The world-1 BF16 kernels: GPU tests, bench contracts (every token bucket), autotune candidates
+    (``bench_only``: the bench contracts only)."""
     import flashinfer.moe_ep as moe
     from flashinfer.moe_ep.backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl import tuning
     from flashinfer.moe_ep.core.contracts import get_contract
     from tests.backends.mega.kernel.sm90.test_bf16_gpu import GPU_VARIANTS, MAX_T
 
-    variants = list(GPU_VARIANTS)
+    tests = [] if bench_only else list(GPU_VARIANTS)
+    variants = list(tests)
     for name in BENCH_CONTRACTS:
         c = get_contract(name)
         variants.append((name, moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
             c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit)))  # fmt: skip
     context = tuning.tune_context_named("NVIDIA H200")
     for i, (name, cfg) in enumerate(variants, 1):
-        cap = MAX_T if i <= len(GPU_VARIANTS) else BENCH_MAX_TOKENS
+        cap = MAX_T if i <= len(tests) else BENCH_MAX_TOKENS
         for fe in tuning.layer_profiles(cfg, cfg.num_experts, cap, context).distinct():  # every token bucket
             t0 = time.perf_counter()
             lib = fe.build(cache)
             print(f"[{i}/{len(variants)}] {name} ({tuning.describe_knobs(fe.knobs)}): {lib.name} "
                   f"({time.perf_counter() - t0:.1f} s)", flush=True)  # fmt: skip
+    if bench_only:
+        return
     # every autotune candidate of the tuning GPU test (the GPU machine cannot compile)
     from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
     from tests.backends.mega.kernel.sm90.test_bf16_tuning_gpu import AUTO_GEOMETRY, AUTO_MAX_TOKENS
@@ -300,6 +308,7 @@ def main() -> int:
     )
     p.add_argument("--ep-worlds", type=int, nargs="+", default=[2, 4, 8], help="build: the EP world sizes")
     p.add_argument("--jobs", type=int, default=1, help="build: processes for the block-scaled kernels")
+    p.add_argument("--bench-only", action="store_true", help="build: only the bench contracts' default kernels")
     p.add_argument("--shard", default=None, help=argparse.SUPPRESS)  # I/N: one process of --jobs
     p.add_argument("--world", type=int, default=2, help="multigpu: the number of GPUs (ranks)")
     p.add_argument("--ep-tokens", nargs="*", default=["8", "128", "2048", "8192"], help="multigpu: tokens per rank")
@@ -309,7 +318,7 @@ def main() -> int:
     a = p.parse_args()
     if a.what == "build":
         shard = tuple(int(v) for v in a.shard.split("/")) if a.shard else None
-        return build(a.cache, a.tune_contracts, a.only, a.ep_worlds, a.jobs, shard)
+        return build(a.cache, a.tune_contracts, a.only, a.ep_worlds, a.jobs, shard, a.bench_only)
     if a.what == "multigpu":
         return multigpu(a.cache, a.world, a.ep_tokens, a.ep_knobs, a.skip_tests, a.layer_test, a.ep_profile)
     return run(a.cache, a.bench_tokens, a.out, a.skip_tests, a.skip_bench)

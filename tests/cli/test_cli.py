@@ -81,3 +81,16 @@ def test_bench_knob_lists_and_prequantized_inputs() -> None:
     cfg = moe.Sm90_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig(64, 64, 2, 2, prequantized_input=True)
     q = prequantized_tensors(s, cfg)
     assert q.hidden_states.shape == (3, 32) and q.scales.shape == (3, 4) and q.topk_ids is s.topk_ids
+
+
+def test_bench_graph_layers_fit_the_memory_budget() -> None:
+    """--graph-layers: as many layers as asked, fewer where their weights exceed the budget, never none."""
+    from flashinfer.moe_ep.cli.bench import graph_layer_count
+    from flashinfer.moe_ep.core.contracts import get_contract
+
+    q30, ds = get_contract("qwen3-30b-a3b"), get_contract("deepseek-v3")
+    assert graph_layer_count(q30, "bf16", 8, 48.0) == 8  # 1.2 GB of weights per layer
+    assert graph_layer_count(q30, "bf16", 1, 48.0) == 1
+    assert graph_layer_count(ds, "bf16", 8, 48.0) == 2  # 22.5 GB per layer: one extra (twice that while made)
+    assert graph_layer_count(ds, "nvfp4", 8, 48.0) > graph_layer_count(ds, "bf16", 8, 48.0)
+    assert graph_layer_count(ds, "bf16", 8, 0.0) == 1

@@ -70,6 +70,15 @@ def add_parser(sub: Any) -> None:
         help="also time the layer replayed from CUDA graphs (one per input set, as engines run decode) up "
         "to this T; 0 = never",
     )
+    p.add_argument(
+        "--graph-layers",
+        type=int,
+        default=1,
+        help="capture that many layers of the backend (distinct weights, the same inputs) into each CUDA graph and "
+        "report the graph time per layer, as an engine's decode graph holds every layer (the graph launch cost "
+        "amortized); reduced per contract to what fits --graph-memory-gb of extra weights",
+    )
+    p.add_argument("--graph-memory-gb", type=float, default=48.0, help="weight memory of the extra --graph-layers")
     p.set_defaults(func=run)
 
 
@@ -105,19 +114,29 @@ def _time_ms(fn: Any, iters: int, sets: int) -> float:
     return statistics.median(launch_times_ms(fn, iters, sets))
 
 
-def _graph_time_ms(fn: Any, iters: int, sets: int) -> float:
-    """Like ``_time_ms`` for ``fn`` captured into one CUDA graph per input set and replayed (no host
-    launch overhead inside the timed region); warm-up eager calls first, as a layer needs."""
+def _graph_time_ms(fns: list[Any], iters: int, sets: int) -> float:
+    """Like ``_time_ms`` for the calls ``fns`` (one per layer, in order) captured into one CUDA graph per
+    input set and replayed (no host launch overhead inside the timed region), per layer: the replay time
+    over ``len(fns)``. Warm-up eager calls first, as a layer needs."""
     for i in range(sets):
-        fn(i)
+        for fn in fns:
+            fn(i)
     torch.cuda.synchronize()
     graphs = []
     for i in range(sets):
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            fn(i)
+            for fn in fns:
+                fn(i)
         graphs.append(g)
-    return _time_ms(lambda i: graphs[i].replay(), iters, sets)
+    return _time_ms(lambda i: graphs[i].replay(), iters, sets) / len(fns)
+
+
+def graph_layer_count(c: Any, fmt: str, wanted: int, memory_gb: float) -> int:
+    """How many layers of contract ``c`` in format ``fmt`` one graph holds: ``wanted``, at most what fits
+    ``memory_gb`` of extra weights (each extra layer holds its own weights; twice that while it is made)."""
+    per_layer = c.num_experts * c.weight_bytes_per_expert() * BYTES_PER_WEIGHT[fmt] / 2
+    return max(1, min(wanted, 1 + int(memory_gb * 1e9 // (2 * per_layer))))
 
 
 def measure_ceilings() -> dict[str, float]:
@@ -210,6 +229,8 @@ def bench_contract(
     ceilings: dict[str, float],
     graph_max_tokens: int = 0,
     prequantized: bool = False,
+    graph_layers: int = 1,
+    graph_memory_gb: float = 48.0,
 ) -> list[dict[str, Any]]:
     """Every backend of ``entries`` (with ``knobs[i]``) on the same inputs, one after the other (one layer
     alive at a time); the ``torch._grouped_mm`` baseline once per T. Quantized backends get the BF16 weights quantized
@@ -236,6 +257,17 @@ def bench_contract(
     for entry, entry_knobs, label in zip(entries, knobs, labels, strict=True):
         fmt = entry.weight_format if entry.weight_format in ("mxfp8", "nvfp4") else "bf16"
         layer, q, extra = make_bench_layer(c, entry, w13, w2, entry_knobs, max(tokens), gen, prequantized)
+        # --graph-layers: more layers of this backend on other weights (the experts rolled: other memory, so
+        # nothing of one layer's weights is in L2 for the next), for the CUDA-graph timings only
+        graph_tokens = [t for t in tokens if 0 < t <= graph_max_tokens]
+        n_layers = graph_layer_count(c, fmt, graph_layers, graph_memory_gb) if graph_tokens else 1
+        more_layers = []
+        extra_gen = torch.Generator().manual_seed(4321)  # NVFP4 calibration of the extra layers
+        for i in range(1, n_layers):
+            w13_i, w2_i = w13.roll(i, 0), w2.roll(i, 0)
+            more_layers.append(make_bench_layer(c, entry, w13_i, w2_i, entry_knobs, max(graph_tokens), extra_gen,
+                                                prequantized)[0])  # fmt: skip
+            del w13_i, w2_i
         for t in tokens:
             inputs = inputs_of[t]
             # what the layer takes: the bf16 inputs, or their codes quantized before timing
@@ -254,7 +286,13 @@ def bench_contract(
                 )
 
             ours = _time_ms(ours_fn, iters, sets)
-            graph_ms = _graph_time_ms(ours_fn, iters, sets) if 0 < t <= graph_max_tokens else float("nan")
+            graph_ms = float("nan")
+            if t in graph_tokens:
+                fns = [ours_fn] + [
+                    lambda i, lay=lay, feed=feed, outs=outs: lay.forward(feed[i], output=outs[i])
+                    for lay in more_layers
+                ]  # fmt: skip
+                graph_ms = _graph_time_ms(fns, iters, sets)
             if t not in base_ms:
                 base_ms[t] = _time_ms(base_fn, iters, sets)
             base = base_ms[t]
@@ -270,6 +308,7 @@ def bench_contract(
                 "tokens": t,
                 "ms": ours,
                 "graph_ms": graph_ms,
+                "graph_layers": n_layers if t in graph_tokens else 0,
                 "baseline_ms": base,
                 "tflops": flops / ours / 1e9,
                 "weight_gbs": weight_bytes / ours / 1e6,
@@ -303,14 +342,16 @@ def bench_contract(
             rows.append(row)
             print(
                 f"  {name} {label} T={t}: {ours:.3f} ms"
-                + ("" if math.isnan(graph_ms) else f" (CUDA graph {graph_ms:.3f} ms)")
+                + ("" if math.isnan(graph_ms) else f" (CUDA graph {graph_ms:.3f} ms per layer of {n_layers})")
                 + f" ({row['tflops']:.0f} TFLOP/s, "
                 f"{row['pct_floor']:.0f}% of floor), baseline {base:.3f} ms, x{row['speedup']:.2f}, "
                 f"x{row['vs_first']:.2f} vs {labels[0]}, " + _describe_errors(row),
                 flush=True,
             )
         layer.destroy()
-        del q
+        for lay in more_layers:
+            lay.destroy()
+        del q, more_layers
         torch.cuda.empty_cache()
     del w13, w2
     torch.cuda.empty_cache()
@@ -389,6 +430,8 @@ def run(args: argparse.Namespace) -> int:
             ceilings,
             args.graph_max_tokens,
             args.prequantized,
+            args.graph_layers,
+            args.graph_memory_gb,
         )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -399,14 +442,14 @@ def run(args: argparse.Namespace) -> int:
     plotted = _plot(rows, out / "bench.png")
     print(f"\nwrote {out / 'bench.csv'}" + (f" and {out / 'bench.png'}" if plotted else " (no matplotlib: no plot)"))
     print(
-        f"\n{'contract':<16} {'backend':<30} {'T':>6} {'ms':>8} {'graph ms':>8} {'TFLOP/s':>8} {'GB/s w':>8} "
+        f"\n{'contract':<16} {'backend':<30} {'T':>6} {'ms':>8} {'graph ms':>8} {'L':>2} {'TFLOP/s':>8} {'GB/s w':>8} "
         f"{'%floor':>7} "
         f"{'base ms':>8} {'x base':>6} {'x 1st':>6} {'mean err':>8} {'max err':>8} {'e2e mean':>8} {'e2e norm':>8}"
     )
     for r in rows:
         print(
             f"{r['contract']:<16} {r['backend']:<30} {r['tokens']:>6} {r['ms']:>8.3f} "
-            + (f"{'-':>8}" if math.isnan(r["graph_ms"]) else f"{r['graph_ms']:>8.3f}")
+            + (f"{'-':>8} {'-':>2}" if math.isnan(r["graph_ms"]) else f"{r['graph_ms']:>8.3f} {r['graph_layers']:>2}")
             + f" {r['tflops']:>8.0f} "
             f"{r['weight_gbs']:>8.0f} {r['pct_floor']:>6.0f}% {r['baseline_ms']:>8.3f} {r['speedup']:>6.2f} "
             f"{r['vs_first']:>6.2f} "
