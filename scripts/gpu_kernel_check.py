@@ -35,6 +35,8 @@ MODELS = {
 }
 CHECK_TOKENS = [0, 1, 7, 128, 1000, 8192]
 PERF_TOKENS = [1, 128, 1024, 4096, 16384]
+#: (library, T) that ``--phase profile`` runs a few times (under ncu); ``--profile NAME:T ...`` replaces them
+PROFILE_CASES = [("qwen3-30b-a3b_dec", 1), ("deepseek-v3_dec", 128), ("deepseek-v3_c2", 4096)]
 MAX_TOKENS = 16384
 
 
@@ -506,7 +508,7 @@ def gpu_main(phase: str, only: str | None) -> int:
                 print(f" {n:28s} " + "".join(f"{res.get((n, t), float('nan')):<11.4f}" for t in PERF_TOKENS))
 
     if phase == "profile":  # run under ncu: a few calls of two libraries, kernels timed by ncu
-        for name, t in (("qwen3-30b-a3b_dec", 1), ("deepseek-v3_dec", 128), ("deepseek-v3_c2", 4096)):
+        for name, t in PROFILE_CASES:
             v = next(v for v in manifest if v["name"] == name)
             lib = Lib(v, t)
             w13, w2 = make_weights(v, seed=3)
@@ -584,7 +586,10 @@ def main() -> int:
     ap.add_argument("--phase", default="all", choices=["correct", "explore", "perf", "all", "profile"])
     ap.add_argument("--only", default=None, help="substring filter on variant/model names")
     ap.add_argument("--tokens", type=int, nargs="+", default=None, help="T values of the explore/perf timings")
+    ap.add_argument("--profile", nargs="+", default=None, help="--phase profile: NAME:T cases")
     args = ap.parse_args()
+    if args.profile:
+        PROFILE_CASES[:] = [(c.split(":")[0], int(c.split(":")[1])) for c in args.profile]
     if args.tokens:
         PERF_TOKENS[:] = args.tokens
     if args.build:
