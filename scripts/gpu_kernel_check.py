@@ -56,6 +56,11 @@ def variants() -> list[dict]:
         tag = f"small_{act}" + ("_lim" if limit is not None else "")
         out.append(dict(name=tag, role="check", kw=dict(activation=act, limit=limit), **SMALL))
     out.append(dict(name="small_swiglu_tm64", role="check", kw=dict(activation="swiglu", tile_m=64), **SMALL))
+    # FC1 weights tiled (each weight tile one contiguous block), both tile heights
+    for tm in (64, 128):
+        kw = dict(activation="swiglu", tile_m=tm, fc1_tiled=True)
+        out.append(dict(name=f"small_swiglu_fc1tiled_tm{tm}", role="check", kw=kw, **SMALL))
+    out.append(dict(name="small_relu2_fc1tiled", role="check", kw=dict(activation="relu2", fc1_tiled=True), **SMALL))
     out.append(
         dict(
             name="small_swiglu_tn256",
@@ -140,6 +145,12 @@ def variants() -> list[dict]:
                 **dims,
             )
         )
+        for tag, kw in (
+            ("dltiled", dict(tile_m=64, fc1_tile_n=256, fc2_tile_n=128)),  # decode profile, FC1 tiled
+            ("c2tiled", dict(tile_m=128, fc1_tile_n=256, fc2_tile_n=256, cluster_m=2)),  # prefill profile
+        ):
+            kw = dict(activation="swiglu", fc1_tiled=True, **kw)
+            out.append(dict(name=f"{model}_{tag}", role="compare", model=model, kw=kw, **dims))
         out.append(
             dict(
                 name=f"{model}_dec",
@@ -257,7 +268,8 @@ def gpu_main(phase: str, only: str | None) -> int:
             self.ws["expert_count"].zero_()  # the one buffer that must start at zero
 
         def prep_w13(self, w13: torch.Tensor) -> torch.Tensor:
-            return wmod.interleave_gate_up(w13, self.v["tn1"]) if self.gated else w13.contiguous()
+            w = wmod.interleave_gate_up(w13, self.v["tn1"]) if self.gated else w13.contiguous()
+            return wmod.tile_weights(w, self.v["tn1"], 64) if self.v["kw"].get("fc1_tiled") else w
 
         def __call__(self, x, ids, wts, w13p, w2, out):
             w = self.ws
@@ -451,7 +463,7 @@ def gpu_main(phase: str, only: str | None) -> int:
         libs = {n: Lib(next(v for v in manifest if v["name"] == n), MAX_TOKENS) for n in names}
         preps = {}
         for lib in libs.values():
-            key = (lib.v["tn1"], lib.gated)
+            key = (lib.v["tn1"], lib.gated, bool(lib.v["kw"].get("fc1_tiled")))
             preps.setdefault(key, [lib.prep_w13(w[0]) for w in wsets])
         res = {}
         for t in PERF_TOKENS:
@@ -460,7 +472,7 @@ def gpu_main(phase: str, only: str | None) -> int:
             outs = [torch.empty(t, dims["H"], dtype=torch.bfloat16, device=dev) for _ in range(n_in)]
             iters = 10 if t >= 4096 else 30
             for n, lib in libs.items():
-                pw = preps[(lib.v["tn1"], lib.gated)]
+                pw = preps[(lib.v["tn1"], lib.gated, bool(lib.v["kw"].get("fc1_tiled")))]
 
                 def kcall(i, lib=lib, pw=pw, ins=ins, outs=outs, n_in=n_in):
                     x, ids, wts = ins[i % n_in]
@@ -497,7 +509,7 @@ def gpu_main(phase: str, only: str | None) -> int:
 
     if phase in ("explore", "all"):
         for model in MODELS:
-            xs = [v["name"] for v in manifest if v["role"] == "explore" and v["model"] == model]
+            xs = [v["name"] for v in manifest if v["role"] in ("explore", "compare") and v["model"] == model]
             if not xs or (only and only not in model):
                 continue
             print(f"== explore ({model}) ==", flush=True)

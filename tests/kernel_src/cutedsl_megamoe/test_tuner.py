@@ -37,7 +37,7 @@ def test_taxonomy_today_every_bf16_knob_is_output_neutral() -> None:
     fam = tuner.family(tuner.BF16)
     assert {s.name for s in fam.specs} == {f.name for f in dataclasses.fields(drop.Bf16Knobs)}
     assert all(s.kind == tuner.PERFORMANCE and not s.nondeterministic for s in fam.specs)
-    assert fam.deterministic and fam.layout_knobs == ("fc1_tile_n",)
+    assert fam.deterministic and fam.layout_knobs == ("fc1_tile_n", "fc1_tiled")
 
 
 @pytest.mark.parametrize("tokens", [1, 64, 65, 512, 2048, 16384])

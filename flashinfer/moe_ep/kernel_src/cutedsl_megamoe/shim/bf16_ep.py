@@ -127,6 +127,11 @@ class Bf16EpFrontend(Bf16Frontend):
 
     kernel_family = "moe_bf16_ep"
 
+    @property
+    def fc1_tiled(self) -> bool:
+        """The EP kernel reads w13 untiled (``fc1_tiled`` is a world-size-1 knob)."""
+        return False
+
     def check(self) -> None:
         g, k = self.geometry, self.knobs
         if g.num_experts % k.world_size:

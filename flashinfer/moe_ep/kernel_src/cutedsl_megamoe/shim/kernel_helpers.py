@@ -45,6 +45,8 @@ SRC_SYMBOLS: dict[str, SrcSymbol] = {
     "swap_tile_plan": SrcSymbol("common.host_utils", "swap_tile_plan", False, ("shim/quant.py",)),
     "interleave_gate_up": SrcSymbol("moe_bf16_glu.weights", "interleave_gate_up", False, ("shim/bf16.py",)),
     "deinterleave_gate_up": SrcSymbol("moe_bf16_glu.weights", "deinterleave_gate_up", False, ("tests",)),
+    "tile_weights": SrcSymbol("moe_bf16_glu.weights", "tile_weights", False, ("shim/bf16.py",)),
+    "untile_weights": SrcSymbol("moe_bf16_glu.weights", "untile_weights", False, ("tests",)),
     # symmetric buffers (torch only; nvshmem4py imported inside the NVSHMEM provider)
     "SymBufferSpec": SrcSymbol("src.symm_buffers", "SymBufferSpec", False, ("shim/comm.py",)),
     "SymBufferHost": SrcSymbol("src.symm_buffers", "SymBufferHost", False, ("shim/comm.py",)),

@@ -106,6 +106,8 @@ _TILE_N = (64, 128, 192, 256)  # what the drop's GroupedGemmSm90 accepts
 BF16_KNOBS: tuple[KnobSpec, ...] = (
     KnobSpec("fc1_tile_n", PERFORMANCE, _TILE_N, (64, 128, 256), layout=True,
              why="FC1 N tile; w13 is gate/up interleaved per tile, so the layer's weights depend on it"),
+    KnobSpec("fc1_tiled", PERFORMANCE, (False, True), None, layout=True,
+             why="w13 stored as contiguous weight tiles (one run of memory per TMA load); measured, not searched"),
     KnobSpec("tile_m", PERFORMANCE, (64, 128, 256), (64, 128), row_tile=True,
              why="rows per M tile; each expert's rows pad to it (the workspace depends on it)"),
     KnobSpec("cluster_m", PERFORMANCE, (1, 2), (1, 2),

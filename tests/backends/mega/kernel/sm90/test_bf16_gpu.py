@@ -57,6 +57,10 @@ GPU_VARIANTS = [
         **SMALL, activation=act, knobs={"tile_m": tm, "fc1_tile_n": 128, "fc2_tile_n": 128, "cluster_m": 2}))
     for act, tm in (("swiglu", 128), ("geglu", 64))
 ] + [
+    # FC1 weights untiled (fc1_tiled=False; every other variant here stores them tiled, the default)
+    ("small-swiglu-untiled", moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
+        **SMALL, knobs={"tile_m": 64, "fc1_tile_n": 128, "fc2_tile_n": 128, "fc1_tiled": False})),
+] + [
     (name, moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
         c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit))
     for name, c in CONTRACTS.items() if name in ("qwen3-30b-a3b", "gpt-oss-120b")

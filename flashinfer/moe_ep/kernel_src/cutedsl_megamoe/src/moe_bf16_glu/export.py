@@ -51,6 +51,8 @@ def fake_arguments(kernel: Sm90MegaMoEBf16Kernel, hidden: int, inter: int, num_e
     n1 = 2 * inter if kernel.activation in constants.GATED_ACTIVATIONS else inter
     t = cute.sym_int()
     m_cap = cute.sym_int()
+    tn, tk = kernel.fc1.tile_n, constants.TILE_K
+    w13_shape = (num_experts, n1 // tn, hidden // tk, tn, tk) if kernel.fc1_tiled else (num_experts, n1, hidden)
 
     def mat(dtype: Any, shape: tuple) -> Any:
         order = tuple(range(len(shape) - 1, -1, -1))  # row-major
@@ -60,7 +62,7 @@ def fake_arguments(kernel: Sm90MegaMoEBf16Kernel, hidden: int, inter: int, num_e
         mat(bf16, (t, hidden)),  # x
         mat(i32, (t, top_k)),  # topk_ids
         mat(f32, (t, top_k)),  # topk_weights
-        mat(bf16, (num_experts, n1, hidden)),  # w13 (prepared)
+        mat(bf16, w13_shape),  # w13 (prepared; with fc1_tiled the 5-D tiled layout)
         mat(bf16, (num_experts, hidden, inter)),  # w2
         mat(bf16, (t, hidden)),  # out
         mat(i32, (cute.sym_int(),)),  # pair_row

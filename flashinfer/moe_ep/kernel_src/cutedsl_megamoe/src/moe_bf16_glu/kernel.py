@@ -51,6 +51,8 @@ class Sm90MegaMoEBf16Kernel:
         True with ``cluster_m=2``. Measured on H200 (TUNING.md, drops v6-v7): deepseek-v3 T=4096
         5-8 % faster than 2g/2g+1; expert pairs at many blocks per expert (deepseek-v3 T=16384) were
         4-5 % slower, hence the switch.
+    :param fc1_tiled: w13 comes tiled (``weights.tile_weights(w13, fc1_tile_n, TILE_K)`` after the
+        gate/up interleave, 5-D): each FC1 weight tile is one contiguous block of memory.
     :param stage_mask: debugging/profiling only: bit i enables stage i (routing, gather, FC1,
         FC2, combine); anything but 0b11111 gives wrong results (and masking out routing leaves
         ``expert_count`` non-zero).
@@ -75,6 +77,7 @@ class Sm90MegaMoEBf16Kernel:
         aux_vpt: int = 4,
         cluster_m: int = 1,
         pair_by_expert: bool | None = None,
+        fc1_tiled: bool = False,
         stage_mask: int = 0b11111,
     ) -> None:
         if activation not in constants.ACTIVATIONS:
@@ -94,6 +97,7 @@ class Sm90MegaMoEBf16Kernel:
             raise ValueError("pair_by_expert needs cluster_m=2")
         self.pair_by_expert = pair_by_expert
         self.stage_mask = stage_mask
+        self.fc1_tiled = fc1_tiled
         self.fc1 = GroupedGemmSm90(
             tile_m, fc1_tile_n, activation, limit, num_sms, fc1_stages, epi_direct, cluster_m, pair_by_expert
         )
@@ -105,6 +109,15 @@ class Sm90MegaMoEBf16Kernel:
     def _expert_major_view(w: cute.Tensor) -> cute.Tensor:
         # torch [E, N, K] (K contiguous) -> cute (N, K, E): the expert becomes the batch mode.
         return cute.make_tensor(w.iterator, cute.select(w.layout, mode=[1, 2, 0]))
+
+    @staticmethod
+    def _tiled_expert_major_view(w: cute.Tensor) -> cute.Tensor:
+        # torch [E, N/tn, K/tk, tn, tk] (weights.tile_weights) -> cute ((tn, N/tn), (tk, K/tk), E): the
+        # same (N, K, E) coordinates as _expert_major_view, each (tn, tk) tile contiguous.
+        e, nt, kt, tn, tk = (cute.size(w, mode=[i]) for i in range(5))
+        tile = tn * tk
+        layout = cute.make_layout(((tn, nt), (tk, kt), e), stride=((tk, kt * tile), (1, tile), nt * kt * tile))
+        return cute.make_tensor(w.iterator, layout)
 
     @cute.jit
     def __call__(
@@ -157,7 +170,8 @@ class Sm90MegaMoEBf16Kernel:
                 use_pdl=pdl,
             )
         if cutlass.const_expr(self.stage_mask & 4):
-            self.fc1.launch(a_buf, self._expert_major_view(w13), h_buf, m_block_expert, meta, stream, pdl)
+            w13_view = self._tiled_expert_major_view(w13) if self.fc1_tiled else self._expert_major_view(w13)
+            self.fc1.launch(a_buf, w13_view, h_buf, m_block_expert, meta, stream, pdl)
         if cutlass.const_expr(self.stage_mask & 8):
             self.fc2.launch(h_buf, self._expert_major_view(w2), a_buf, m_block_expert, meta, stream, pdl)
         if cutlass.const_expr(self.stage_mask & 16):

@@ -29,3 +29,21 @@ def deinterleave_gate_up(w13_il: torch.Tensor, tile_n: int) -> torch.Tensor:
     half = tile_n // 2
     blocks = (two_i // 2) // half
     return w13_il.reshape(e, blocks, 2, half, h).transpose(1, 2).reshape(e, two_i, h).contiguous()
+
+
+def tile_weights(w: torch.Tensor, tile_n: int, tile_k: int) -> torch.Tensor:
+    """[E, N, K] -> [E, N/tile_n, K/tile_k, tile_n, tile_k] contiguous: every (tile_n x tile_k) weight tile
+    one contiguous block, so each TMA load of a tile reads one run of memory instead of tile_n runs of
+    tile_k elements one row pitch apart. Returns a new contiguous tensor."""
+    if w.dim() != 3:
+        raise ValueError(f"w must be [E, N, K], got shape {tuple(w.shape)}")
+    e, n, k = w.shape
+    if n % tile_n or k % tile_k:
+        raise ValueError(f"N={n} and K={k} must be multiples of tile_n={tile_n} and tile_k={tile_k}")
+    return w.reshape(e, n // tile_n, tile_n, k // tile_k, tile_k).transpose(2, 3).contiguous()
+
+
+def untile_weights(w: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`tile_weights`."""
+    e, nt, kt, tn, tk = w.shape
+    return w.transpose(2, 3).reshape(e, nt * tn, kt * tk).contiguous()
