@@ -243,6 +243,7 @@ def gpu_main(phase: str, only: str | None) -> int:
     ref_mod = importlib.import_module(f"{DROP}.moe_bf16_glu.reference")
     wmod = importlib.import_module(f"{DROP}.moe_bf16_glu.weights")
     hmod = importlib.import_module(f"{DROP}.common.host_utils")
+    cmod = importlib.import_module(f"{DROP}.common.constants")
     manifest = json.loads((KCACHE / "manifest.json").read_text())
     dev = torch.device("cuda")
     print("device:", torch.cuda.get_device_name(), "| torch", torch.__version__, flush=True)
@@ -269,7 +270,12 @@ def gpu_main(phase: str, only: str | None) -> int:
 
         def prep_w13(self, w13: torch.Tensor) -> torch.Tensor:
             w = wmod.interleave_gate_up(w13, self.v["tn1"]) if self.gated else w13.contiguous()
-            return wmod.tile_weights(w, self.v["tn1"], 64) if self.v["kw"].get("fc1_tiled") else w
+            return wmod.tile_weights(w, self.v["tn1"], cmod.TILE_K) if self.v["kw"].get("fc1_tiled") else w
+
+        @property
+        def w13_layout(self) -> tuple:
+            """What ``prep_w13`` depends on: libraries with equal layouts share prepared weights."""
+            return self.v["tn1"], self.gated, bool(self.v["kw"].get("fc1_tiled"))
 
         def __call__(self, x, ids, wts, w13p, w2, out):
             w = self.ws
@@ -463,8 +469,7 @@ def gpu_main(phase: str, only: str | None) -> int:
         libs = {n: Lib(next(v for v in manifest if v["name"] == n), MAX_TOKENS) for n in names}
         preps = {}
         for lib in libs.values():
-            key = (lib.v["tn1"], lib.gated, bool(lib.v["kw"].get("fc1_tiled")))
-            preps.setdefault(key, [lib.prep_w13(w[0]) for w in wsets])
+            preps.setdefault(lib.w13_layout, [lib.prep_w13(w[0]) for w in wsets])
         res = {}
         for t in PERF_TOKENS:
             n_in = 4
@@ -472,7 +477,7 @@ def gpu_main(phase: str, only: str | None) -> int:
             outs = [torch.empty(t, dims["H"], dtype=torch.bfloat16, device=dev) for _ in range(n_in)]
             iters = 10 if t >= 4096 else 30
             for n, lib in libs.items():
-                pw = preps[(lib.v["tn1"], lib.gated, bool(lib.v["kw"].get("fc1_tiled")))]
+                pw = preps[lib.w13_layout]
 
                 def kcall(i, lib=lib, pw=pw, ins=ins, outs=outs, n_in=n_in):
                     x, ids, wts = ins[i % n_in]

@@ -135,7 +135,7 @@ def _graph_time_ms(fns: list[Any], iters: int, sets: int) -> float:
 def graph_layer_count(c: Any, fmt: str, wanted: int, memory_gb: float) -> int:
     """How many layers of contract ``c`` in format ``fmt`` one graph holds: ``wanted``, at most what fits
     ``memory_gb`` of extra weights (each extra layer holds its own weights; twice that while it is made)."""
-    per_layer = c.num_experts * c.weight_bytes_per_expert() * BYTES_PER_WEIGHT[fmt] / 2
+    per_layer = c.num_experts * c.weight_bytes_per_expert(BYTES_PER_WEIGHT[fmt])
     return max(1, min(wanted, 1 + int(memory_gb * 1e9 // (2 * per_layer))))
 
 
@@ -254,12 +254,12 @@ def bench_contract(
     first_ms: dict[int, float] = {}
     rows = []
     labels = [_label(e, k) for e, k in zip(entries, knobs, strict=True)]
+    graph_tokens = [t for t in tokens if 0 < t <= graph_max_tokens]
     for entry, entry_knobs, label in zip(entries, knobs, labels, strict=True):
         fmt = entry.weight_format if entry.weight_format in ("mxfp8", "nvfp4") else "bf16"
         layer, q, extra = make_bench_layer(c, entry, w13, w2, entry_knobs, max(tokens), gen, prequantized)
         # --graph-layers: more layers of this backend on other weights (the experts rolled: other memory, so
         # nothing of one layer's weights is in L2 for the next), for the CUDA-graph timings only
-        graph_tokens = [t for t in tokens if 0 < t <= graph_max_tokens]
         n_layers = graph_layer_count(c, fmt, graph_layers, graph_memory_gb) if graph_tokens else 1
         more_layers = []
         extra_gen = torch.Generator().manual_seed(4321)  # NVFP4 calibration of the extra layers
