@@ -184,6 +184,11 @@ def build_ep(cache: Path, worlds: tuple[int, ...]) -> None:
 
     n = build_candidates(ep_geometry, EP_AUTO_WORLD, EP_AUTO_WORLD, EP_AUTO_MAX_TOKENS)
     print(f"EP layer test knobs='auto', {EP_AUTO_WORLD} loopback ranks: {n} candidates", flush=True)
+    from tests.backends.mega.kernel.sm90.test_bf16_ep_layer_gpu import EP_MIXED_MAX_TOKENS, EP_MIXED_WORLD
+
+    libs = build_layer(ep_geometry, EP_MIXED_WORLD, EP_MIXED_WORLD, None, EP_MIXED_MAX_TOKENS)
+    print(f"EP layer test, ranks in different buckets: {', '.join(libs)}", flush=True)
+    build_quant_ep(cache)
     # the torchrun multirank test of the SM90 EP layer (one GPU per rank: ranks_per_gpu 1), for issue #8
     from tests.multirank.test_torchrun import SM90_EP_GEOMETRY, SM90_EP_MAX_TOKENS
 
@@ -216,10 +221,24 @@ def build_ep(cache: Path, worlds: tuple[int, ...]) -> None:
             print(f"EP bench {name}, world {world}: {n} autotune candidates", flush=True)
 
 
+def build_quant_ep(cache: Path) -> None:
+    """The MXFP8 / NVFP4 EP kernels of the loopback layer test (every token bucket of each case)."""
+    from flashinfer.moe_ep.backends.mega.kernel.sm90.block_scaled import EpPlacement, bucket_frontends
+    from tests.backends.mega.kernel.sm90.test_quant_ep_layer_gpu import QUANT_EP_CASES, quant_ep_config
+
+    for name, _fmt, world, knobs, _preq in QUANT_EP_CASES:
+        cfg = quant_ep_config(name)
+        placement = EpPlacement(world, world, (knobs or {}).get("dispatch", "pull"))
+        fronts = bucket_frontends(cfg, cfg.num_experts // world, placement)
+        libs = [fe.build(cache).name for fe in dict.fromkeys(fronts.values())]
+        print(f"quantized EP layer test {name}: {', '.join(libs)}", flush=True)
+
+
 #: GPU test files that must run in their own pytest process (they set CUDA environment before CUDA starts)
 OWN_PROCESS = (
     "tests/backends/mega/kernel/sm90/test_bf16_ep_loopback_gpu.py",
     "tests/backends/mega/kernel/sm90/test_bf16_ep_layer_gpu.py",
+    "tests/backends/mega/kernel/sm90/test_quant_ep_layer_gpu.py",
 )
 BENCH_BACKENDS = ["sm90_bf16_bf16_bf16_cutedsl", "sm90_mxfp8_mxfp8_bf16_cutedsl", "sm90_nvfp4_nvfp4_bf16_cutedsl"]
 

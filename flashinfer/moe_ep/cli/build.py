@@ -74,21 +74,37 @@ def _configs(args: argparse.Namespace) -> list[tuple[str, Sm90_Bf16_Bf16_Bf16_Cu
 
 
 def _block_scaled_jobs(args: argparse.Namespace) -> list[tuple[str, object]]:
-    """Every token bucket's kernel of the MXFP8 / NVFP4 backend for the requested shapes (world size 1)."""
-    from ..backends.mega.kernel.sm90.block_scaled import bucket_frontends
+    """Every token bucket's kernel of the MXFP8 / NVFP4 backend for the requested shapes (at world size
+    > 1 the expert-parallel kernels, one GPU per rank)."""
+    from ..backends.mega.kernel.sm90.block_scaled import EpPlacement, bucket_frontends
 
-    if args.world_size != 1:
-        raise MoEEpConfigError(f"{args.backend} runs at world size 1 only")
     cls = catalog_entry(args.backend).load_config_class()  # type: ignore[union-attr]
     jobs = []
     for name, bf16_cfg, e_local in _configs(args):
         c = bf16_cfg
         cfg = cls(c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit, c.knobs)
-        frontends = bucket_frontends(cfg, e_local)
+        ep = None
+        if args.world_size > 1:
+            ep = EpPlacement(args.world_size, 1, (c.knobs or {}).get("dispatch", "pull"))
+        frontends = bucket_frontends(cfg, e_local, ep)
         for fe in dict.fromkeys(frontends.values()):
             buckets = [b for b, f in frontends.items() if f is fe]
             jobs.append((f"{name} {cfg.weight_format} [{'/'.join(buckets)}]", fe))
     return jobs
+
+
+def _bf16_ep_frontends(cfg: Any, world_size: int, max_tokens: int, context: Any) -> dict[str, Any]:
+    """Bucket -> kernel of the BF16 EP layer, as ``Sm90Bf16EpBackend`` picks them (knobs, knob cache)."""
+    from ..backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl import ep_tuning
+
+    geometry = tuning.make_geometry(cfg, cfg.num_experts)  # the EP kernel takes the global expert count
+    buckets = ep_tuning.ep_buckets(world_size, max_tokens)
+    knobs = None if cfg.knobs == tuning.AUTO else cfg.knobs
+    tiles, _ = ep_tuning.layer_tiles(geometry, context, world_size, 1, buckets, knobs)
+    try:
+        return ep_tuning.bucket_frontends(geometry, world_size, 1, buckets, tiles)
+    except (TypeError, ValueError) as exc:
+        raise MoEEpConfigError(f"{cfg.kernel_name}: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,9 +122,12 @@ def run(args: argparse.Namespace) -> int:
     context = tuning.tune_context_named(args.device_name, args.world_size)
     jobs = []
     for name, cfg, e_local in _configs(args):
-        profiles = tuning.layer_profiles(cfg, e_local, args.max_tokens, context)
-        for fe in profiles.distinct():
-            buckets = [b for b, f in profiles.frontends.items() if f is fe]
+        if args.world_size > 1:  # the expert-parallel kernels of an NVSHMEM layer (one GPU per rank)
+            frontends = _bf16_ep_frontends(cfg, args.world_size, args.max_tokens, context)
+        else:
+            frontends = tuning.layer_profiles(cfg, e_local, args.max_tokens, context).frontends
+        for fe in tuning.distinct(frontends.values()):
+            buckets = [b for b, f in frontends.items() if f is fe]
             jobs.append((f"{name} [{'/'.join(buckets)}]", fe))
     print(f"build: {len(jobs)} kernel(s) for {args.arch} (layer capacity {args.max_tokens} tokens)")
     for i, (label, fe) in enumerate(jobs, 1):

@@ -16,10 +16,12 @@ from .shim.bf16_ep import (
     EP_KNOBS,
     Bf16EpFrontend,
     Bf16EpKnobs,
+    EpFrontendMixin,
     EpRankState,
     default_bf16_ep_knobs,
     ep_candidates,
     ep_knob_dict,
+    merge_specs,
     resync_states,
 )
 from .shim.drop_update import NEXT_STEPS, update_drop
@@ -32,9 +34,10 @@ from .shim.frontend import (
     prepare_compile_env,
     tvm_ffi_available,
 )
-from .shim.mxfp8 import Mxfp8Frontend
-from .shim.nvfp4 import Nvfp4Frontend
+from .shim.mxfp8 import Mxfp8EpFrontend, Mxfp8Frontend
+from .shim.nvfp4 import Nvfp4EpFrontend, Nvfp4Frontend
 from .shim.quant import PackedQuantWeights, QuantFrontend, QuantKnobs, default_quant_knobs
+from .shim.quant_ep import QuantEpFrontend, QuantEpKnobs
 from .shim.vendor import check_manifest, read_vendor, source_digest
 
 __all__ = [
@@ -47,10 +50,14 @@ __all__ = [
     "Bf16Frontend",
     "Bf16Knobs",
     "Geometry",
+    "Mxfp8EpFrontend",
     "Mxfp8Frontend",
     "NEXT_STEPS",
+    "Nvfp4EpFrontend",
     "Nvfp4Frontend",
     "PackedQuantWeights",
+    "QuantEpFrontend",
+    "QuantEpKnobs",
     "QuantFrontend",
     "QuantKnobs",
     "SRC_DIR",
@@ -60,10 +67,12 @@ __all__ = [
     "KernelUnavailableError",
     "check_manifest",
     "comm",
+    "EpFrontendMixin",
     "EpRankState",
     "default_bf16_ep_knobs",
     "ep_candidates",
     "ep_knob_dict",
+    "merge_specs",
     "resync_states",
     "default_bf16_knobs",
     "default_quant_knobs",

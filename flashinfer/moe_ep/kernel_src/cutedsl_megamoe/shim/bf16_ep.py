@@ -55,7 +55,9 @@ EP_DISPATCH_VALUES = ("pull", "push")
 #: autotune varies the tiles and cluster_m, the dispatch stays the bucket's. Measured on two H200s
 #: (TUNING.md, session 5): push dispatch moved deepseek-v3's rows 10 % faster than pull at 8192 tokens
 #: per rank (1.55 vs 1.72 ms, two runs) and the layer 1-2 % faster from 2048 tokens per rank on; below,
-#: no consistent difference, so pull (two signal/wait rounds fewer).
+#: no consistent difference, so pull (two signal/wait rounds fewer). A layer uses one dispatch in every
+#: bucket, its largest bucket's (ranks of one forward may sit in different buckets; the backend's
+#: ``ep_tuning.bucket_frontends`` pins it).
 EP_BUCKET_DEFAULTS = {
     "decode": (64, 256, 128, 1, "pull"),
     "mid": (128, 256, 256, 1, "pull"),
@@ -121,45 +123,32 @@ def ep_knob_dict(knobs: Bf16EpKnobs) -> dict[str, int | str]:
     return {name: getattr(knobs, name) for name in EP_KNOBS}
 
 
-class Bf16EpFrontend(Bf16Frontend):
-    """``geometry.num_experts`` is the GLOBAL expert count here (the kernel splits it over ranks).
-    Shares the GLU rules and the weight layout (``prepare_weights``) with the world-size-1 frontend."""
+class EpFrontendMixin:
+    """What every EP frontend shares (BF16 and block-scaled): the expert split over the ranks and the
+    EP buffers (``ep_workspace``: symmetric specs, local workspace). ``geometry.num_experts`` is the
+    GLOBAL expert count; the knobs carry ``world_size``, ``ranks_per_gpu``, ``num_sms``, ``tile_m``,
+    ``cluster_m`` and ``dispatch``."""
 
-    kernel_family = "moe_bf16_ep"
+    geometry: Geometry
+    knobs: Any
 
     @property
-    def fc1_tiled(self) -> bool:
-        """The EP kernel reads w13 untiled (``fc1_tiled`` is a world-size-1 knob)."""
-        return False
+    def local_experts(self) -> int:
+        return self.geometry.num_experts // self.knobs.world_size
 
-    def check(self) -> None:
+    def check_ep(self) -> None:
+        """The EP rules (ValueError): experts split evenly, at most one routing block of global experts,
+        an SM per rank, a known dispatch."""
         g, k = self.geometry, self.knobs
         if g.num_experts % k.world_size:
             raise ValueError(f"{g.num_experts} experts do not split over {k.world_size} ranks")
-        self.check_glu_problem(g.num_experts // k.world_size)
-        self.check_tiles()
+        most = kh.constants.ROUTING_THREADS
+        if g.num_experts > most:
+            raise ValueError(f"the EP kernels route at most {most} experts, got {g.num_experts}")
         if k.num_sms // k.ranks_per_gpu < 1:
             raise ValueError(f"ranks_per_gpu={k.ranks_per_gpu} leaves no SM per rank")
-        if k.cluster_m not in (1, 2) or k.grid % k.cluster_m:
-            raise ValueError(f"cluster_m must be 1 or 2 and divide the grid ({k.grid} CTAs), got {k.cluster_m}")
         if k.dispatch not in EP_DISPATCH_VALUES:
             raise ValueError(f"dispatch must be one of {', '.join(EP_DISPATCH_VALUES)}, got {k.dispatch!r}")
-
-    def _export(self, out_dir: Path, function_name: str) -> Path:
-        g, k = self.geometry, self.knobs
-        kernel = kh.Sm90MegaMoEBf16EpKernel(
-            activation=g.activation,
-            limit=g.activation_limit,
-            tile_m=k.tile_m,
-            fc1_tile_n=k.fc1_tile_n,
-            fc2_tile_n=k.fc2_tile_n,
-            num_sms=k.num_sms,
-            world_size=k.world_size,
-            ranks_per_gpu=k.ranks_per_gpu,
-            cluster_m=k.cluster_m,
-            dispatch=k.dispatch,
-        )
-        return kh.export_moe_bf16_ep(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)
 
     def symmetric_specs(self, max_tokens: int) -> list[Any]:
         g, k = self.geometry, self.knobs
@@ -176,6 +165,42 @@ class Bf16EpFrontend(Bf16Frontend):
                 k.ranks_per_gpu, k.cluster_m,
             )
         ]  # fmt: skip
+
+
+class Bf16EpFrontend(EpFrontendMixin, Bf16Frontend):
+    """``geometry.num_experts`` is the GLOBAL expert count here (the kernel splits it over ranks).
+    Shares the GLU rules and the weight layout (``prepare_weights``) with the world-size-1 frontend."""
+
+    kernel_family = "moe_bf16_ep"
+
+    @property
+    def fc1_tiled(self) -> bool:
+        """The EP kernel reads w13 untiled (``fc1_tiled`` is a world-size-1 knob)."""
+        return False
+
+    def check(self) -> None:
+        k = self.knobs
+        self.check_ep()
+        self.check_glu_problem(self.local_experts)
+        self.check_tiles()
+        if k.cluster_m not in (1, 2) or k.grid % k.cluster_m:
+            raise ValueError(f"cluster_m must be 1 or 2 and divide the grid ({k.grid} CTAs), got {k.cluster_m}")
+
+    def _export(self, out_dir: Path, function_name: str) -> Path:
+        g, k = self.geometry, self.knobs
+        kernel = kh.Sm90MegaMoEBf16EpKernel(
+            activation=g.activation,
+            limit=g.activation_limit,
+            tile_m=k.tile_m,
+            fc1_tile_n=k.fc1_tile_n,
+            fc2_tile_n=k.fc2_tile_n,
+            num_sms=k.num_sms,
+            world_size=k.world_size,
+            ranks_per_gpu=k.ranks_per_gpu,
+            cluster_m=k.cluster_m,
+            dispatch=k.dispatch,
+        )
+        return kh.export_moe_bf16_ep(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)
 
 
 def merge_specs(spec_lists: list[list[Any]]) -> list[Any]:
@@ -208,12 +233,12 @@ class EpRankState:
 
     def __init__(
         self,
-        frontend: Bf16EpFrontend,
+        frontend: EpFrontendMixin,
         provider: Any,
         rank: int,
         max_tokens: int,
         device: torch.device,
-        others: tuple[Bf16EpFrontend, ...] = (),
+        others: tuple[EpFrontendMixin, ...] = (),
         group: Any = None,
     ):
         self.frontend, self.rank, self.device = frontend, rank, device
@@ -252,21 +277,19 @@ class EpRankState:
     def launch(
         self,
         fn: Any,
-        x: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
+        operands: Sequence[Any],
         out: torch.Tensor,
         timeout_ns: int,
         live_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Enqueue one forward with ``fn`` (the loaded kernel of the caller's frontend: layers sharing
-        this state have equal kernels) on the current stream (capturable); the abort word is copied
-        back asynchronously. ``live_tokens``: int32 [1] device tensor, default ``x.shape[0]``."""
+        """Enqueue one forward with ``fn`` (the loaded kernel of a frontend sharing this state) on the
+        current stream (capturable); the abort word is copied back asynchronously. ``operands``: the
+        kernel's arguments before ``out`` (BF16: ``x, topk_ids, topk_weights, w13, w2``; block-scaled:
+        ``QuantEpFrontend.operands``). ``live_tokens``: int32 [1] device tensor, default all
+        ``out.shape[0]`` rows."""
         if live_tokens is None:
-            live_tokens = self.counts[x.shape[0] : x.shape[0] + 1]
-        fn(x, topk_ids, topk_weights, w13, w2, out, live_tokens, *self.state_args(), timeout_ns)
+            live_tokens = self.counts[out.shape[0] : out.shape[0] + 1]
+        fn(*operands, out, live_tokens, *self.state_args(), timeout_ns)
         self.abort_host.copy_(self.abort, non_blocking=True)
         if torch.cuda.is_current_stream_capturing():
             self.captured, self.abort_event = True, None
@@ -341,6 +364,7 @@ __all__ = [
     "EP_KNOBS",
     "Bf16EpFrontend",
     "Bf16EpKnobs",
+    "EpFrontendMixin",
     "EpRankState",
     "default_bf16_ep_knobs",
     "ep_candidates",

@@ -37,6 +37,17 @@ QUANT_KERNEL_CALL = (
     "stream",
 )  # fmt: skip
 
+QUANT_EP_KERNEL_CALL = (
+    "x", "x_scale", "topk_ids", "topk_weights",
+    "w13", "w13_scale", "w2", "w2_scale", "w13_gscale", "w2_gscale", "act_gscale",
+    "out", "live_tokens",
+    "flags", "x_sym", "send_list", "expert_cnt", "expert_start", "row_base", "a_buf",
+    "flags_tab", "x_tab", "send_tab", "cnt_tab", "start_tab", "row_base_tab", "y_tab",
+    "cta_cnt", "pair_pos", "src_meta", "m_block_expert", "meta", "h_buf", "ep_state",
+    "abort", "rank", "timeout_ns",
+    "stream",
+)  # fmt: skip
+
 SRC_SYMBOLS: dict[str, SrcSymbol] = {
     # constants and host utilities (torch / stdlib only)
     "constants": SrcSymbol("common.constants", "", False, ("shim/bf16.py",)),
@@ -126,6 +137,31 @@ SRC_SYMBOLS: dict[str, SrcSymbol] = {
     "export_moe_bf16_ep": SrcSymbol(
         "moe_bf16_glu.ep_export", "export_moe_bf16_ep", True, ("scripts/build_ep_loopback.py",)
     ),
+    "Sm90MegaMoEQuantEpKernel": SrcSymbol(
+        "moe_quant_glu.ep_kernel",
+        "Sm90MegaMoEQuantEpKernel",
+        True,
+        ("shim/quant_ep.py",),
+        init_params=(
+            "fmt",
+            "activation",
+            "limit",
+            "tile_m",
+            "fc1_tile_n",
+            "fc2_tile_n",
+            "num_sms",
+            "fc1_stages",
+            "fc2_stages",
+            "swap_ab",
+            "swap_wg",
+            "prequantized",
+            "world_size",
+            "ranks_per_gpu",
+            "dispatch",
+        ),
+        call_params=QUANT_EP_KERNEL_CALL,
+    ),
+    "export_moe_quant_ep": SrcSymbol("moe_quant_glu.ep_export", "export_moe_quant_ep", True, ("shim/quant_ep.py",)),
 }
 
 
@@ -144,4 +180,4 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *SRC_SYMBOLS])
 
 
-__all__ = ["BF16_KERNEL_CALL", "QUANT_KERNEL_CALL", "SRC_SYMBOLS", "SrcSymbol"]
+__all__ = ["BF16_KERNEL_CALL", "QUANT_EP_KERNEL_CALL", "QUANT_KERNEL_CALL", "SRC_SYMBOLS", "SrcSymbol"]

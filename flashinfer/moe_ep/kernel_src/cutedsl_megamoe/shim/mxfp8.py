@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .quant import QuantFrontend
+from .quant_ep import QuantEpFrontend
 
 
 class Mxfp8Frontend(QuantFrontend):
@@ -11,4 +12,10 @@ class Mxfp8Frontend(QuantFrontend):
     build_backend = "sm90_mxfp8_mxfp8_bf16_cutedsl"
 
 
-__all__ = ["Mxfp8Frontend"]
+class Mxfp8EpFrontend(QuantEpFrontend):
+    kernel_family = "moe_mxfp8_ep"
+    fmt = "mxfp8"
+    build_backend = "sm90_mxfp8_mxfp8_bf16_cutedsl"
+
+
+__all__ = ["Mxfp8EpFrontend", "Mxfp8Frontend"]

@@ -7,6 +7,7 @@ as a device tensor, so one library serves every scale.
 from __future__ import annotations
 
 from .quant import QuantFrontend
+from .quant_ep import QuantEpFrontend
 
 
 class Nvfp4Frontend(QuantFrontend):
@@ -15,4 +16,10 @@ class Nvfp4Frontend(QuantFrontend):
     build_backend = "sm90_nvfp4_nvfp4_bf16_cutedsl"
 
 
-__all__ = ["Nvfp4Frontend"]
+class Nvfp4EpFrontend(QuantEpFrontend):
+    kernel_family = "moe_nvfp4_ep"
+    fmt = "nvfp4"
+    build_backend = "sm90_nvfp4_nvfp4_bf16_cutedsl"
+
+
+__all__ = ["Nvfp4EpFrontend", "Nvfp4Frontend"]

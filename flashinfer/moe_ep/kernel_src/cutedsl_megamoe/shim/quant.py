@@ -71,10 +71,15 @@ class QuantFrontend(KernelFrontend):
     def gated(self) -> bool:
         return self.geometry.activation in kh.constants.GATED_ACTIVATIONS
 
+    @property
+    def local_experts(self) -> int:
+        """Experts of this rank (the EP frontend splits ``geometry.num_experts`` over the ranks)."""
+        return self.geometry.num_experts
+
     def check(self) -> None:
         k = self.knobs
         check_glu_geometry(
-            self.geometry, k.fc1_tile_n, k.fc2_tile_n, self.geometry.num_experts, self.fmt, ("bf16", self.fmt)
+            self.geometry, k.fc1_tile_n, k.fc2_tile_n, self.local_experts, self.fmt, ("bf16", self.fmt)
         )
         if k.swap_ab:
             tiles = kh.constants.SWAP_TOKEN_TILES

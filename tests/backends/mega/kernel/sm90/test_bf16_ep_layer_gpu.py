@@ -140,6 +140,41 @@ def test_loopback_ep_layer_matches_the_reference(world: int, knobs: dict | None)
         layer.destroy()
 
 
+#: world size and capacity of the mixed-bucket test: global T up to 2400 reaches the prefill bucket
+#: (push dispatch by default), while a rank with few rows picks the decode bucket
+EP_MIXED_WORLD = 2
+EP_MIXED_MAX_TOKENS = 1200
+
+
+def test_ranks_in_different_token_buckets_agree_on_the_dispatch() -> None:
+    """Each rank picks its token bucket from its own rows, so one rank may run the prefill bucket's
+    kernel while another runs the decode one. The dispatch is the layer's (the largest bucket's, in
+    every bucket): otherwise a push source would never fill ``x_sym`` for a pull owner, and a push owner
+    would wait for pushes that never come."""
+    from flashinfer.moe_ep.backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl import ep_tuning
+
+    cfg, w13, w2, layers, streams = _world(EP_MIXED_WORLD, max_tokens=EP_MIXED_MAX_TOKENS)
+    by_bucket = layers[0]._backend.by_bucket
+    assert len({fe.knobs.dispatch for fe in by_bucket.values()}) == 1
+    g = torch.Generator().manual_seed(12)
+    # loopback only: call every bucket's library once with every rank in that bucket first (a library's
+    # first call loads its CUDA module, which waits for the kernels on the GPU, e.g. a spinning peer)
+    for t in (3, 600, 1100):  # decode, mid, prefill at world 2
+        inputs = _rank_inputs(cfg, g, [t, t])
+        _assert_matches_reference(inputs, _forward(layers, streams, inputs), w13, w2)
+    for tokens in ([1100, 3], [2, 1200], [900, 0]):
+        buckets = {ep_tuning.bucket_of(EP_MIXED_WORLD, t) for t in tokens}
+        inputs = _rank_inputs(cfg, g, tokens)
+        outs = _forward(layers, streams, inputs)
+        for layer in layers:
+            layer.check_transport()
+        _assert_matches_reference(inputs, outs, w13, w2)
+        print(f"tokens {tokens}: buckets {sorted(buckets)}")
+    assert len({ep_tuning.bucket_of(EP_MIXED_WORLD, t) for t in (1100, 3)}) == 2
+    for layer in layers:
+        layer.destroy()
+
+
 def test_missing_rank_raises_transport_error_then_recovers() -> None:
     cfg, w13, w2, layers, streams = _world(2, timeout_s=0.2)
     inputs = _rank_inputs(cfg, torch.Generator().manual_seed(7), [5, 5])

@@ -101,3 +101,26 @@ def test_ep_buckets_follow_the_global_token_count() -> None:
         assert [b.name for b, _ in plan] == [b.name for b in reversed(ep_tuning.ep_buckets(world, cap))]
         for bucket, t in plan:
             assert 1 <= t <= cap and ep_tuning.bucket_of(world, t) == bucket.name, (world, cap, bucket, t)
+
+
+def test_ep_buckets_of_a_layer_share_the_largest_buckets_dispatch() -> None:
+    """Ranks pick their bucket from their own rows, so one forward may mix buckets: every bucket of an EP
+    layer takes the largest bucket's dispatch (its tiles stay its own), in the defaults and in the
+    autotune candidates."""
+    from flashinfer.moe_ep.backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl import ep_tuning
+    from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
+
+    g = drop.Geometry(256, 128, 16, 4, "swiglu", None)
+    buckets = ep_tuning.ep_buckets(2, 1200)  # global T up to 2400: decode, mid, prefill
+    assert [b.name for b in buckets] == ["decode", "mid", "prefill"]
+    fronts = ep_tuning.bucket_frontends(g, 2, 2, buckets, {b.name: {} for b in buckets})
+    assert drop.EP_BUCKET_DEFAULTS["decode"][4] == "pull" and drop.EP_BUCKET_DEFAULTS["prefill"][4] == "push"
+    assert {fe.knobs.dispatch for fe in fronts.values()} == {"push"}
+    assert fronts["decode"].knobs.tile_m == drop.EP_BUCKET_DEFAULTS["decode"][0]
+    small = ep_tuning.ep_buckets(2, 256)  # decode only: its own default
+    assert ep_tuning.bucket_frontends(g, 2, 2, small, {"decode": {}})["decode"].knobs.dispatch == "pull"
+    pinned = ep_tuning.bucket_frontends(g, 2, 2, buckets, {b.name: {"dispatch": "pull"} for b in buckets})
+    assert {fe.knobs.dispatch for fe in pinned.values()} == {"pull"}
+    cands = ep_tuning.autotune_candidates(g, 2, 2, 1200)
+    assert {k.dispatch for ks in cands.values() for k in ks} == {"push"}
+    assert all(len(set(ks)) == len(ks) for ks in cands.values())

@@ -12,9 +12,13 @@ import torch
 import flashinfer.moe_ep as moe
 from flashinfer.moe_ep.backends.mega.kernel.sm90.block_scaled import (
     BUCKETS,
+    EP_FRONTENDS,
     FALLBACKS,
     FRONTENDS,
+    EpPlacement,
     bucket_frontends,
+    ep_buckets,
+    ep_token_bucket,
     make_frontend,
     token_bucket,
 )
@@ -269,3 +273,96 @@ def test_prequantized_input_is_a_kernel_variant(fmt: str) -> None:
     other = "nvfp4" if fmt == "mxfp8" else "mxfp8"
     with pytest.raises(ValueError, match=f"not '{other}'"):
         getattr(drop, FRONTENDS[fmt])(drop.Geometry(256, 128, 8, 2, "swiglu", None, input_format=other)).check()
+
+
+# -- expert parallelism (world_size > 1) -------------------------------------------------------------
+def test_ep_buckets_follow_the_global_tokens() -> None:
+    """An EP forward's bucket is the world-size-1 rule at ``world_size * rows`` over the global experts;
+    ``swap1`` (one token) is out of reach at world size > 1, so no kernel is built for it."""
+    assert [b.name for b in ep_buckets(2)] == [b.name for b in BUCKETS if b.name != "swap1"]
+    assert [b.name for b in ep_buckets(1)] == [b.name for b in BUCKETS]
+    for rows, world, bucket in ((0, 2, "swap16"), (1, 2, "swap16"), (64, 2, "swap16"), (65, 2, "swap32"),
+                                (64, 4, "swap32"), (1000, 2, "swap128")):  # fmt: skip
+        assert ep_token_bucket(rows, world, 8, 128) == bucket, (rows, world)
+        assert ep_token_bucket(rows, world, 8, 128) == token_bucket(max(2, world * rows), 8, 128)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_ep_bucket_frontends_take_the_global_experts_and_the_layer_dispatch(fmt: str) -> None:
+    cfg = CONFIG[fmt](256, 128, 16, 4, knobs={"dispatch": "push"})
+    fronts = bucket_frontends(cfg, 8, EpPlacement(2, 2, "push"))
+    assert list(fronts) == [b.name for b in ep_buckets(2)]
+    for name, fe in fronts.items():
+        assert isinstance(fe, drop.QuantEpFrontend) and fe.fmt == fmt
+        assert fe.geometry.num_experts == 16 and fe.local_experts == 8
+        k = fe.knobs
+        assert (k.world_size, k.ranks_per_gpu, k.dispatch, k.cluster_m, k.grid) == (2, 2, "push", 1, 66)
+        assert k.tile_m == next(b for b in BUCKETS if b.name == name).knobs["tile_m"]
+    assert len({fe.key.digest() for fe in fronts.values()}) == len(fronts)
+    one = bucket_frontends(CONFIG[fmt](256, 128, 16, 4, knobs={"tile_m": 128}), 8, EpPlacement(2))
+    assert len({id(fe) for fe in one.values()}) == 1 and next(iter(one.values())).knobs.dispatch == "pull"
+    with pytest.raises(MoEEpConfigError, match="apply at world_size > 1 only"):
+        bucket_frontends(cfg, 16)
+    g = drop.Geometry(256, 128, 16, 4, "swiglu", None)
+    ep_cls = getattr(drop, EP_FRONTENDS[fmt])
+    with pytest.raises(ValueError, match="do not split over 3 ranks"):
+        ep_cls(g, drop.QuantEpKnobs(tile_m=16, swap_ab=True, world_size=3)).check()
+    with pytest.raises(ValueError, match="route at most"):
+        ep_cls(drop.Geometry(256, 128, 2048, 4, "swiglu", None), drop.QuantEpKnobs(world_size=8)).check()
+    with pytest.raises(MoEEpConfigError, match="dispatch must be one of"):
+        make_frontend(CONFIG[fmt](256, 128, 16, 4), 8, None, EpPlacement(2, 1, "broadcast"))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_ep_frontend_sizes_the_ep_buffers_per_token_tile(fmt: str) -> None:
+    """The quantized EP frontend has the BF16 EP kernel's buffers (one protocol); its padded rows follow
+    its token tile, and buckets of one layer share one rank state sized for all (``merge_specs``)."""
+    fronts = bucket_frontends(CONFIG[fmt](256, 128, 16, 4), 8, EpPlacement(2, 2))
+    bf16 = drop.Bf16EpFrontend(drop.Geometry(256, 128, 16, 4, "swiglu", None), drop.default_bf16_ep_knobs(
+        drop.Geometry(256, 128, 16, 4, "swiglu", None), 2, 2, {"tile_m": 64, "cluster_m": 1}))  # fmt: skip
+    small, large = fronts["swap16"], fronts["swap128"]
+    assert [s.name for s in small.symmetric_specs(64)] == [s.name for s in bf16.symmetric_specs(64)]
+    assert [s.name for s in small.workspace_spec(64)] == [s.name for s in bf16.workspace_spec(64)]
+    a_buf = {s.name: s for s in large.symmetric_specs(64)}["a_buf"]
+    assert a_buf.shape[0] >= {s.name: s for s in small.symmetric_specs(64)}["a_buf"].shape[0]
+    merged = drop.merge_specs([fe.symmetric_specs(64) for fe in fronts.values()])
+    assert {s.name: s for s in merged}["a_buf"].shape == a_buf.shape
+
+
+def test_quant_ep_rank_state_launches_with_the_exported_argument_order(monkeypatch) -> None:
+    """``EpRankState.launch`` passes the frontend's operands, ``out``, the live count, the state and the
+    timeout: the exported signature of ``Sm90MegaMoEQuantEpKernel`` (``kh.QUANT_EP_KERNEL_CALL``)."""
+    from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import comm
+
+    fe = bucket_frontends(CONFIG["nvfp4"](256, 128, 16, 4), 8, EpPlacement(2, 2))["swap16"]
+    group = kh.LoopbackGroup(2, torch.device("cpu"))
+    states = [drop.EpRankState(fe, comm.make_provider("loopback", 2, r, torch.device("cpu"), group), r, 32,
+                               torch.device("cpu")) for r in range(2)]  # fmt: skip
+    state = states[0]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)  # no CUDA event on the CPU
+    seen: list = []
+    operands = tuple(torch.zeros(1) for _ in range(11))
+    out = torch.zeros(5, 256)
+    state.launch(lambda *args: seen.extend(args), operands, out, 123)
+    names = [n for n in kh.QUANT_EP_KERNEL_CALL if n != "stream"]
+    assert len(seen) == len(names)
+    by_name = dict(zip(names, seen, strict=True))
+    assert by_name["out"] is out and by_name["timeout_ns"] == 123 and by_name["rank"] == 0
+    assert int(by_name["live_tokens"][0]) == 5  # every row live by default
+    assert by_name["x_sym"] is state.host.buffers["x_sym"] and by_name["abort"] is state.abort
+    with pytest.raises(TypeError, match="launches through its rank state"):
+        fe.launch()
+    for s in states:
+        s.release()
+
+
+@pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")
+def test_quant_ep_kernels_compile_and_export_for_sm90a(tmp_path: Path) -> None:
+    """Two EP variants export for sm_90a here: MXFP8 swap-AB 16-token tiles with pull dispatch, NVFP4
+    from codes and scales with 128-row tiles and push dispatch."""
+    mx = bucket_frontends(CONFIG["mxfp8"](256, 128, 16, 4), 8, EpPlacement(2, 2))["swap16"]
+    nv_cfg = CONFIG["nvfp4"](256, 128, 16, 4, knobs={"tile_m": 128, "dispatch": "push"}, prequantized_input=True)
+    nv = make_frontend(nv_cfg, 8, None, EpPlacement(2, 2, "push"))
+    for fe in (mx, nv):
+        lib = fe.build(tmp_path)
+        assert lib.stat().st_size > 10_000 and f"__tvm_ffi_{fe.key.function_name}".encode() in lib.read_bytes()

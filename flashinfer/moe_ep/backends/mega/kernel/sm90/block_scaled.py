@@ -37,7 +37,12 @@ class Sm90BlockScaledConfig(MegaKernelConfig):
     16 to 128; where they cannot tile the shape, 64-row M tiles up to 32 tokens per expert and 128-row
     ones above) or a mapping of compile-time knobs for every T (``tile_m`` 64/128, or 16/32/64/128 with
     ``swap_ab`` and ``swap_wg`` 1/2; ``fc1_tile_n``, ``fc2_tile_n``, ``fc1_stages``, ``fc2_stages``,
-    ``num_sms``). Hidden and intermediate sizes must be multiples of 64. World size 1.
+    ``num_sms``; at ``world_size > 1`` also ``dispatch``, ``"pull"`` (default) or ``"push"``). Hidden and
+    intermediate sizes must be multiples of 64.
+
+    At ``world_size > 1`` the layer runs the in-kernel EP protocol of the BF16 kernel around the
+    block-scaled GEMMs (``block_scaled_ep.py``): each rank quantizes its tokens once and the
+    dispatch moves their exact BF16 values; the combine wire is bf16.
 
     ``prequantized_input``: the layer takes activations already in the weight format, as codes in
     ``MoEEpTensors.hidden_states`` and block scales in ``MoEEpTensors.scales`` (MXFP8: float8_e4m3fn
@@ -62,7 +67,7 @@ class Sm90BlockScaledConfig(MegaKernelConfig):
                 raise MoEEpConfigError(f"{type(self).__name__}.knobs must be None or a dict of knobs")
             from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
 
-            known = [f.name for f in fields(drop.QuantKnobs)]
+            known = [f.name for f in fields(drop.QuantKnobs)] + list(EP_KNOBS)
             unknown = sorted(set(self.knobs) - set(known))
             if unknown:
                 raise MoEEpConfigError(
@@ -91,8 +96,13 @@ class Sm90Nvfp4ConfigFields(Sm90BlockScaledConfig):
             _positive_scale(type(self).__name__, name, getattr(self, name))
 
 
+#: knobs of the block-scaled configs that only the expert-parallel kernel takes
+EP_KNOBS = ("dispatch",)
+
+
 class Sm90BlockScaledBackend(MegaKernelBackend):
-    """World size 1. Weights: ``MoEWeightPack`` in the layout of ``core.reference_quant``."""
+    """Weights: ``MoEWeightPack`` in the layout of ``core.reference_quant``. World size 1 here; at
+    ``world_size > 1`` construction returns the EP backend (``block_scaled_ep.Sm90BlockScaledEpBackend``)."""
 
     hidden_alignment: ClassVar[int] = 64
     intermediate_alignment: ClassVar[int] = 64
@@ -101,13 +111,21 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
     def runtime_requirements(cls, device: torch.device) -> list[str]:
         return sm90_requirements(device)
 
+    #: True on the expert-parallel subclasses
+    expert_parallel: ClassVar[bool] = False
+
+    def __new__(cls, config: Any, bootstrap: Any, *args: Any, **kwargs: Any) -> Sm90BlockScaledBackend:
+        if getattr(bootstrap, "world_size", 1) > 1 and not cls.expert_parallel:
+            return super().__new__(cls.ep_backend())  # the in-kernel EP protocol (a subclass of cls)
+        return super().__new__(cls)
+
+    @classmethod
+    def ep_backend(cls) -> type[Sm90BlockScaledBackend]:
+        """The format's expert-parallel subclass (``block_scaled_ep.Sm90BlockScaledEpBackend``)."""
+        raise NotImplementedError(f"{cls.__name__} has no expert-parallel backend")
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.world_size != 1:
-            raise MoEEpConfigError(
-                f"{self.config.kernel_name} runs at world_size 1 only for now (the expert-parallel protocol "
-                "exists for BF16); use the reference backend for quantized EP"
-            )
         # One frontend per token bucket (one weight layout: the tiles differ, not the packing), chosen
         # per forward from the host-side T; one workspace serves all of them.
         self.frontends = bucket_frontends(self.config, self.num_local_experts)
@@ -224,48 +242,97 @@ def token_bucket(t: int, top_k: int, num_experts: int) -> str:
     return next(b.name for b in BUCKETS if b.serves(t, top_k, num_experts))
 
 
-#: the drop frontend of each weight format
+#: the drop frontend of each weight format (world size 1, and expert parallel)
 FRONTENDS = {"mxfp8": "Mxfp8Frontend", "nvfp4": "Nvfp4Frontend"}
+EP_FRONTENDS = {"mxfp8": "Mxfp8EpFrontend", "nvfp4": "Nvfp4EpFrontend"}
 
 
-def bucket_frontends(config: Sm90BlockScaledConfig, num_local_experts: int) -> dict[str, Any]:
-    """One frontend per bucket of ``BUCKETS``; explicit knobs serve every T with one frontend.
-    Where the swap-AB GEMMs cannot serve the geometry (``QuantFrontend.check``: sizes not multiples of
-    128, gate/up not interleaved per 256), the bucket's fallback frontend (64 or 128-row M tiles) does."""
-    if config.knobs:
-        one = make_frontend(config, num_local_experts)
-        return {b.name: one for b in BUCKETS}
+def bucket_frontends(
+    config: Sm90BlockScaledConfig, num_local_experts: int, ep: EpPlacement | None = None
+) -> dict[str, Any]:
+    """One frontend per bucket of ``BUCKETS`` (with ``ep``: per bucket a forward of this world size can
+    reach, ``ep_buckets``); explicit knobs serve every T with one frontend. Where the swap-AB GEMMs
+    cannot serve the geometry (``QuantFrontend.check``: sizes not multiples of 128, gate/up not
+    interleaved per 256), the bucket's fallback frontend (64 or 128-row M tiles) does."""
+    buckets = BUCKETS if ep is None else ep_buckets(ep.world_size)
+    tiles = {k: v for k, v in (config.knobs or {}).items() if k not in EP_KNOBS}
+    if tiles:
+        one = make_frontend(config, num_local_experts, None, ep)
+        return {b.name: one for b in buckets}
     fallbacks: dict[str, Any] = {}
     fronts: dict[str, Any] = {}
-    for b in BUCKETS:
+    for b in buckets:
         try:
-            fronts[b.name] = make_frontend(config, num_local_experts, b.knobs)
+            fronts[b.name] = make_frontend(config, num_local_experts, b.knobs, ep)
         except MoEEpConfigError:
             if b.fallback not in fallbacks:
-                fallbacks[b.fallback] = make_frontend(config, num_local_experts, FALLBACKS[b.fallback] or None)
+                fallbacks[b.fallback] = make_frontend(config, num_local_experts, FALLBACKS[b.fallback] or None, ep)
             fronts[b.name] = fallbacks[b.fallback]
     return fronts
 
 
-def make_frontend(config: Sm90BlockScaledConfig, num_local_experts: int, overrides: dict | None = None) -> Any:
-    """The drop frontend of ``config``'s weight format (explicit knobs, or the defaults with ``overrides``)."""
+@dataclass(frozen=True)
+class EpPlacement:
+    """Where an expert-parallel layer's kernel runs: ``world_size`` ranks, ``ranks_per_gpu`` of them
+    on each GPU (R with loopback ranks, else 1), the layer's ``dispatch``."""
+
+    world_size: int
+    ranks_per_gpu: int = 1
+    dispatch: str = "pull"
+
+
+def ep_buckets(world_size: int) -> tuple[TokenBucket, ...]:
+    """The buckets an EP forward can reach: the bucket of ``world_size * T`` (the global tokens;
+    ``ep_token_bucket``) is never one that serves fewer than ``world_size`` tokens (``swap1``), unless
+    the capacity is 0."""
+    return tuple(b for b in BUCKETS if b.max_tokens is None or b.max_tokens >= world_size)
+
+
+def ep_token_bucket(rows: int, world_size: int, top_k: int, num_experts: int) -> str:
+    """The bucket of an EP forward with ``rows`` rows on this rank: the world-size-1 rule at the
+    global token count ``world_size * rows`` over the GLOBAL experts (the rows per expert the owners'
+    GEMMs see). Ranks may sit in different buckets; the dispatch is the layer's, so they interoperate."""
+    buckets = ep_buckets(world_size)
+    return next(b.name for b in buckets if b.serves(world_size * rows, top_k, num_experts))
+
+
+def make_frontend(
+    config: Sm90BlockScaledConfig, num_local_experts: int, overrides: dict | None = None, ep: EpPlacement | None = None
+) -> Any:
+    """The drop frontend of ``config``'s weight format (explicit knobs, or the defaults with ``overrides``);
+    with ``ep`` the expert-parallel one (its geometry has the GLOBAL expert count)."""
     from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
 
-    geometry = make_geometry(config, num_local_experts)
-    knobs = None
-    if config.knobs or overrides:
+    ep_only = sorted(set(config.knobs or {}) & set(EP_KNOBS))
+    if ep is None and ep_only:
+        raise MoEEpConfigError(f"{config.kernel_name}: knob(s) {', '.join(ep_only)} apply at world_size > 1 only")
+    # the config's tile knobs over the bucket's (a config with tile knobs has one frontend: no overrides)
+    chosen = {**(overrides or {}), **{k: v for k, v in (config.knobs or {}).items() if k not in EP_KNOBS}}
+    if ep is None:
+        geometry = make_geometry(config, num_local_experts)
         base = drop.default_quant_knobs(geometry)
-        knobs = drop.QuantKnobs(**{**base.__dict__, **(config.knobs or overrides)})
-    frontend = getattr(drop, FRONTENDS[config.weight_format])(geometry, knobs)
+        knobs = drop.QuantKnobs(**{**base.__dict__, **chosen}) if chosen else None
+        frontend = getattr(drop, FRONTENDS[config.weight_format])(geometry, knobs)
+    else:
+        geometry = make_geometry(config, num_local_experts * ep.world_size)
+        base = drop.default_quant_knobs(geometry)
+        placement = {"world_size": ep.world_size, "ranks_per_gpu": ep.ranks_per_gpu, "dispatch": ep.dispatch}
+        knobs = drop.QuantEpKnobs(**{**base.__dict__, **chosen, **placement})  # the placement's dispatch
+        frontend = getattr(drop, EP_FRONTENDS[config.weight_format])(geometry, knobs)
     try:
         frontend.check()
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:
         raise MoEEpConfigError(f"{config.kernel_name}: {exc}") from None
     return frontend
 
 
 __all__ = [
     "BUCKETS",
+    "EP_FRONTENDS",
+    "EP_KNOBS",
+    "EpPlacement",
+    "ep_buckets",
+    "ep_token_bucket",
     "FALLBACKS",
     "FRONTENDS",
     "Sm90BlockScaledBackend",

@@ -20,9 +20,6 @@ T, T_cap, T_cap*K, M_cap and M_cap/tile_m are symbolic; H, I, E_loc, K, R, G are
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import sysconfig
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +30,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from ..common import constants
 from .ep_kernel import Sm90MegaMoEBf16EpKernel
 from .ep_workspace import NUM_FLAG_KINDS
-from .export import _ldflags, check_problem
+from .export import check_problem, link_library
 
 
 def check_ep_problem(kernel: Sm90MegaMoEBf16EpKernel, hidden: int, inter: int, num_experts: int, top_k: int) -> None:
@@ -48,27 +45,40 @@ def check_ep_problem(kernel: Sm90MegaMoEBf16EpKernel, hidden: int, inter: int, n
 def ep_fake_arguments(
     kernel: Sm90MegaMoEBf16EpKernel, hidden: int, inter: int, num_experts: int, top_k: int
 ) -> list[Any]:
-    bf16, i32, i64, f32 = cutlass.BFloat16, cutlass.Int32, cutlass.Int64, cutlass.Float32
-    world = kernel.world_size
-    e_loc = num_experts // world
+    bf16, i32, f32 = cutlass.BFloat16, cutlass.Int32, cutlass.Float32
+    e_loc = num_experts // kernel.world_size
     n1 = 2 * inter if kernel.activation in constants.GATED_ACTIVATIONS else inter
     t = cute.sym_int()
+    return [
+        fake_matrix(bf16, (t, hidden)),  # x
+        fake_matrix(i32, (t, top_k)),  # topk_ids
+        fake_matrix(f32, (t, top_k)),  # topk_weights
+        fake_matrix(bf16, (e_loc, n1, hidden)),  # w13
+        fake_matrix(bf16, (e_loc, hidden, inter)),  # w2
+        fake_matrix(bf16, (t, hidden)),  # out
+        *ep_protocol_fake_arguments(kernel, hidden, inter, num_experts),
+    ]
+
+
+def fake_matrix(dtype: Any, shape: tuple, align: int = 16) -> Any:
+    """A compact row-major fake tensor for ``cute.compile`` (symbolic extents allowed)."""
+    order = tuple(range(len(shape) - 1, -1, -1))
+    return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align)
+
+
+def ep_protocol_fake_arguments(kernel: Any, hidden: int, inter: int, num_experts: int) -> list[Any]:
+    """The arguments every EP kernel takes after ``out``: ``live_tokens``, the symmetric buffers, the
+    pointer tables, the local workspace, the abort word, ``rank``, ``timeout_ns`` and the stream
+    (``ep_workspace.EP_ARGS`` from ``live_tokens`` on). ``kernel``: an ``EpProtocol``."""
+    bf16, i32, i64 = cutlass.BFloat16, cutlass.Int32, cutlass.Int64
+    world = kernel.world_size
+    e_loc = num_experts // world
     t_cap = cute.sym_int()
     p_cap = cute.sym_int()
     m_cap = cute.sym_int()
-
-    def mat(dtype: Any, shape: tuple, align: int = 16) -> Any:
-        order = tuple(range(len(shape) - 1, -1, -1))
-        return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align)
-
+    mat = fake_matrix
     tables = [mat(i64, (world,)) for _ in range(7)]
     return [
-        mat(bf16, (t, hidden)),  # x
-        mat(i32, (t, top_k)),  # topk_ids
-        mat(f32, (t, top_k)),  # topk_weights
-        mat(bf16, (e_loc, n1, hidden)),  # w13
-        mat(bf16, (e_loc, hidden, inter)),  # w2
-        mat(bf16, (t, hidden)),  # out
         mat(i32, (1,), align=4),  # live_tokens: any int32 element (e.g. a view into a larger tensor)
         mat(i32, (NUM_FLAG_KINDS, world)),  # flags
         mat(bf16, (t_cap, hidden)),  # x_sym
@@ -108,13 +118,4 @@ def export_moe_bf16_ep(
     function_name: str = "moe_bf16_ep",
 ) -> Path:
     """Compile, export and link ``lib<function_name>.so`` in ``out_dir``."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    compiled = compile_moe_bf16_ep(kernel, hidden, inter, num_experts, top_k)
-    obj = out / f"{function_name}.o"
-    lib = out / f"lib{function_name}.so"
-    compiled.export_to_c(str(obj), function_name=function_name, export_only_tvm_ffi_symbols=True)
-    cxx = shutil.which("g++") or sysconfig.get_config_var("CXX") or "c++"
-    subprocess.run([cxx, "-shared", "-o", str(lib), str(obj), *_ldflags()], check=True)
-    obj.unlink()
-    return lib
+    return link_library(compile_moe_bf16_ep(kernel, hidden, inter, num_experts, top_k), out_dir, function_name)

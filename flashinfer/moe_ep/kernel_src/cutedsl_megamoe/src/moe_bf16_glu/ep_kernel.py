@@ -1,6 +1,8 @@
 """``Sm90MegaMoEBf16EpKernel``: the expert-parallel BF16 MoE forward of one rank as one traced host
 function (DRAFT). The protocol and the kernel chain are described in ``ep_kernels``; the buffers
-in ``ep_workspace``.
+in ``ep_workspace``. ``EpProtocol`` holds what every EP kernel shares (the protocol knobs and the
+three protocol phases: route, dispatch, combine); a kernel adds its expert GEMMs between dispatch
+and combine (``moe_quant_glu.ep_kernel`` is the block-scaled one).
 
 ``rank`` and ``timeout_ns`` are RUNTIME scalars: one compiled library serves every rank of a world
 size (``world_size`` is compile-time: it sizes the flag array and the pointer tables). T is symbolic
@@ -43,21 +45,153 @@ from .grouped_gemm import EPI_PLAIN, GroupedGemmSm90
 AUX_CTAS_PER_SM = 4
 
 
-class Sm90MegaMoEBf16EpKernel:
-    """Compile-time knobs of the EP BF16 MoE kernel.
+class EpProtocol:
+    """The EP protocol of one rank: knobs and the phases every EP kernel runs in this order,
 
-    Same knobs as ``Sm90MegaMoEBf16Kernel`` (activation, limit, tile_m, fc1/fc2_tile_n, num_sms,
-    fc1/fc2_stages, use_pdl (GEMMs only), epi_direct, stage_mask) plus:
+    1. ``route`` (kernels 0-3): epoch, local routing, the send list (source role);
+    2. ``dispatch`` (kernels 4-6): ready signal, the owner's row plan, the rows into ``a_buf``
+       (pull: owners read ``x_sym``; push: sources write their rows of ``rows_src``);
+    3. the kernel's expert GEMMs ``a_buf -> h_buf -> a_buf`` (no cross-rank access);
+    4. ``combine`` (kernels 9-11): done signal and wait, the weighted top-k sum from the owners' y,
+       finished signal.
+
+    Plain methods called from the subclass's traced ``__call__`` (straight-line launches only).
 
     :param world_size: number of EP ranks R (experts split evenly: E_local = E / R).
     :param ranks_per_gpu: logical ranks sharing one GPU (1 for NVSHMEM, R for loopback); every
         grid has ``num_sms // ranks_per_gpu`` CTAs.
-    :param cluster_m: 1, or 2 for GEMM clusters of two CTAs along M that take M blocks 2g and 2g+1
-        and share each weight tile when both blocks belong to one expert (the owner scan closes an
-        odd block count with a phantom block; no pair table here). The grid must be even.
-    :param dispatch: ``"pull"`` (owners read the rows from the sources' ``x_sym``) or ``"push"``
-        (sources write them into the owners' ``a_buf`` once the owners published their row tables;
-        two more signal/wait rounds), see ``ep_kernels``.
+    :param cluster_m: 1, or 2 for GEMM clusters of two CTAs along M (the owner scan closes an odd
+        block count with a phantom block). The grid must be even.
+    :param dispatch: ``"pull"`` or ``"push"`` (see ``ep_kernels``). Every rank of a forward must use
+        the same dispatch: a pull owner never waits for pushes and a push source never fills ``x_sym``.
+    """
+
+    def __init__(
+        self,
+        activation: str,
+        tile_m: int,
+        num_sms: int,
+        world_size: int,
+        ranks_per_gpu: int,
+        cluster_m: int,
+        dispatch: str,
+        use_pdl: bool,
+    ) -> None:
+        if activation not in constants.ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}")
+        if not 1 <= world_size <= 32:
+            raise ValueError(f"world_size must be in [1, 32], got {world_size}")
+        if ranks_per_gpu < 1 or num_sms // ranks_per_gpu < 1:
+            raise ValueError(f"ranks_per_gpu={ranks_per_gpu} leaves no SM per rank")
+        self.activation = activation
+        self.tile_m = tile_m
+        self.num_sms = num_sms
+        self.world_size = world_size
+        self.ranks_per_gpu = ranks_per_gpu
+        self.grid = num_sms // ranks_per_gpu
+        if cluster_m not in (1, 2) or self.grid % cluster_m:
+            raise ValueError(f"cluster_m must be 1 or 2 and divide the grid ({self.grid} CTAs), got {cluster_m}")
+        self.cluster_m = cluster_m
+        if dispatch not in ("pull", "push"):
+            raise ValueError(f"dispatch must be 'pull' or 'push', got {dispatch!r}")
+        self.push = dispatch == "push"
+        self.aux_grid = self.grid * AUX_CTAS_PER_SM
+        self.aux_threads = 256
+        self.aux_vpt = 1  # the EP gather/combine move one 16-byte vector per thread item (check_problem reads it)
+        self.use_pdl = use_pdl
+
+    @staticmethod
+    def _expert_major_view(w: cute.Tensor) -> cute.Tensor:
+        return cute.make_tensor(w.iterator, cute.select(w.layout, mode=[1, 2, 0]))
+
+    def route(self, x, topk_ids, live_tokens, x_sym, cta_cnt, pair_pos, send_list, expert_cnt, expert_start,
+              ep_state, abort, num_experts: int, copy_x: bool, stream) -> None:  # fmt: skip
+        """Kernels 0-3. ``copy_x``: kernel 1 copies the live rows of ``x`` into ``x_sym`` (BF16 pull)."""
+        g = self.grid
+        aux = [self.aux_threads, 1, 1]
+        # 0: epoch += 1, abort word cleared
+        K.ep_begin_kernel(ep_state, abort).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream)
+        # 1-3: local routing, send list sorted by global expert (source role)
+        K.ep_route_count_kernel(x, topk_ids, live_tokens, x_sym, cta_cnt, abort, num_experts, copy_x).launch(
+            grid=[g, 1, 1], block=aux, stream=stream
+        )
+        K.ep_route_scan_kernel(cta_cnt, expert_cnt, expert_start, abort, num_experts, g).launch(
+            grid=[1, 1, 1], block=[constants.ROUTING_THREADS, 1, 1], stream=stream
+        )
+        K.ep_route_place_kernel(
+            topk_ids, live_tokens, cta_cnt, expert_start, send_list, pair_pos, abort, num_experts
+        ).launch(grid=[g, 1, 1], block=[32, 1, 1], stream=stream)
+
+    def dispatch(self, rows_src, live_tokens, flags, x_sym, send_list, expert_start, row_base, a_buf,
+                 flags_tab, x_tab, send_tab, cnt_tab, start_tab, row_base_tab, y_tab, src_meta, m_block_expert,
+                 meta, ep_state, abort, rank, timeout_ns, local_experts: int, top_k: int, stream) -> None:  # fmt: skip
+        """Kernels 4-6. ``rows_src`` ([T, H] bf16): the rows a push source writes (``x``, or the
+        prepared rows in ``x_sym``); pull owners read ``x_sym``."""
+        world = self.world_size
+        one = [1, 1, 1]
+        sig = [K.SIGNAL_THREADS, 1, 1]
+        aux = [self.aux_threads, 1, 1]
+        # 4: ready[rank] = epoch everywhere
+        K.ep_signal_kernel(flags_tab, rank, ep_state, abort, K.FLAG_READY, world).launch(
+            grid=one, block=sig, stream=stream
+        )
+        # 5: owner waits (ready of this epoch, finished of the previous one), plans rows
+        K.ep_owner_scan_kernel(
+            flags, cnt_tab, start_tab, row_base, m_block_expert, meta, src_meta,
+            rank, ep_state, timeout_ns, abort, world, local_experts, self.tile_m, self.cluster_m,
+        ).launch(grid=one, block=[constants.ROUTING_THREADS, 1, 1], stream=stream)  # fmt: skip
+        if self.push:
+            # 6a-e: every owner planned its rows -> push this rank's rows -> every source pushed
+            K.ep_signal_kernel(flags_tab, rank, ep_state, abort, K.FLAG_PLANNED, world).launch(
+                grid=one, block=sig, stream=stream
+            )
+            K.ep_wait_all_kernel(
+                flags, meta, ep_state, timeout_ns, abort, K.FLAG_PLANNED, K.STAGE_SOURCE_PLANNED, world, False
+            ).launch(grid=one, block=sig, stream=stream)
+            K.ep_push_kernel(
+                rows_src, live_tokens, send_list, expert_start, row_base_tab, y_tab, rank, abort, local_experts, top_k
+            ).launch(grid=[self.aux_grid, 1, 1], block=aux, stream=stream)
+            K.ep_signal_kernel(flags_tab, rank, ep_state, abort, K.FLAG_PUSHED, world).launch(
+                grid=one, block=sig, stream=stream
+            )
+            K.ep_wait_all_kernel(
+                flags, meta, ep_state, timeout_ns, abort, K.FLAG_PUSHED, K.STAGE_OWNER_PUSHED, world, True
+            ).launch(grid=one, block=sig, stream=stream)
+        else:
+            # 6: pull x rows from the sources
+            K.ep_gather_kernel(
+                x_sym, x_tab, send_tab, start_tab, row_base, src_meta, meta, a_buf, rank, abort,
+                world, local_experts, top_k,
+            ).launch(grid=[self.aux_grid, 1, 1], block=aux, stream=stream)  # fmt: skip
+
+    def combine(self, topk_ids, topk_weights, live_tokens, pair_pos, flags, flags_tab, row_base_tab, y_tab, out,
+                ep_state, abort, rank, timeout_ns, local_experts: int, stream) -> None:  # fmt: skip
+        """Kernels 9-11."""
+        world = self.world_size
+        sig = [K.SIGNAL_THREADS, 1, 1]
+        # 9: done[rank] = epoch everywhere, then wait for every owner
+        K.ep_done_and_wait_kernel(flags, flags_tab, rank, ep_state, timeout_ns, abort, world).launch(
+            grid=[1, 1, 1], block=sig, stream=stream
+        )
+        # 10: combine from the owners' y
+        K.ep_combine_kernel(
+            topk_ids, topk_weights, live_tokens, pair_pos, row_base_tab, y_tab, out, rank, abort,
+            world, local_experts, topk_ids.shape[1],
+        ).launch(grid=[self.aux_grid, 1, 1], block=[self.aux_threads, 1, 1], stream=stream)  # fmt: skip
+        # 11: finished[rank] = epoch everywhere (this rank no longer reads any peer buffer)
+        K.ep_signal_kernel(flags_tab, rank, ep_state, abort, K.FLAG_FINISHED, world).launch(
+            grid=[1, 1, 1], block=sig, stream=stream
+        )
+
+
+class Sm90MegaMoEBf16EpKernel(EpProtocol):
+    """Compile-time knobs of the EP BF16 MoE kernel.
+
+    Same knobs as ``Sm90MegaMoEBf16Kernel`` (activation, limit, tile_m, fc1/fc2_tile_n, num_sms,
+    fc1/fc2_stages, use_pdl (GEMMs only), epi_direct, stage_mask) plus those of ``EpProtocol``
+    (world_size, ranks_per_gpu, cluster_m: GEMM clusters of two CTAs along M that share each weight
+    tile when both blocks belong to one expert; dispatch).
+
     :param stage_mask: accepted for signature parity; only 0b11111 is supported here.
 
     ``epi_direct`` defaults to False here as in the world-1 kernel (TMA-store epilogues, measured
@@ -82,38 +216,13 @@ class Sm90MegaMoEBf16EpKernel:
         cluster_m: int = 1,
         dispatch: str = "pull",
     ) -> None:
-        if activation not in constants.ACTIVATIONS:
-            raise ValueError(f"unknown activation {activation!r}")
-        if not 1 <= world_size <= 32:
-            raise ValueError(f"world_size must be in [1, 32], got {world_size}")
+        super().__init__(activation, tile_m, num_sms, world_size, ranks_per_gpu, cluster_m, dispatch, use_pdl)
         if stage_mask != 0b11111:
             raise ValueError("the EP kernel runs every stage (stage_mask must be 0b11111)")
-        if ranks_per_gpu < 1 or num_sms // ranks_per_gpu < 1:
-            raise ValueError(f"ranks_per_gpu={ranks_per_gpu} leaves no SM per rank")
-        self.activation = activation
         self.limit = limit
-        self.tile_m = tile_m
-        self.num_sms = num_sms
-        self.world_size = world_size
-        self.ranks_per_gpu = ranks_per_gpu
-        self.grid = num_sms // ranks_per_gpu
-        if cluster_m not in (1, 2) or self.grid % cluster_m:
-            raise ValueError(f"cluster_m must be 1 or 2 and divide the grid ({self.grid} CTAs), got {cluster_m}")
-        self.cluster_m = cluster_m
-        if dispatch not in ("pull", "push"):
-            raise ValueError(f"dispatch must be 'pull' or 'push', got {dispatch!r}")
-        self.push = dispatch == "push"
-        self.aux_grid = self.grid * AUX_CTAS_PER_SM
-        self.aux_threads = 256
-        self.aux_vpt = 1  # the EP gather/combine move one 16-byte vector per thread item (check_problem reads it)
-        self.use_pdl = use_pdl
         self.stage_mask = stage_mask
         self.fc1 = GroupedGemmSm90(tile_m, fc1_tile_n, activation, limit, self.grid, fc1_stages, epi_direct, cluster_m)
         self.fc2 = GroupedGemmSm90(tile_m, fc2_tile_n, EPI_PLAIN, None, self.grid, fc2_stages, epi_direct, cluster_m)
-
-    @staticmethod
-    def _expert_major_view(w: cute.Tensor) -> cute.Tensor:
-        return cute.make_tensor(w.iterator, cute.select(w.layout, mode=[1, 2, 0]))
 
     @cute.jit
     def __call__(
@@ -154,82 +263,16 @@ class Sm90MegaMoEBf16EpKernel:
         timeout_ns: cutlass.Int64,
         stream,
     ):
-        world = self.world_size
         local_experts = w13.shape[0]
-        num_experts = local_experts * world
         top_k = topk_ids.shape[1]
-        g = self.grid
-        aux = [self.aux_threads, 1, 1]
-        one = [1, 1, 1]
-        sig = [K.SIGNAL_THREADS, 1, 1]
-        # 0: epoch += 1, abort word cleared
-        K.ep_begin_kernel(ep_state, abort).launch(grid=one, block=[32, 1, 1], stream=stream)
-        # 1-3: local routing, send list sorted by global expert (source role)
-        K.ep_route_count_kernel(x, topk_ids, live_tokens, x_sym, cta_cnt, abort, num_experts, not self.push).launch(
-            grid=[g, 1, 1], block=aux, stream=stream
-        )
-        K.ep_route_scan_kernel(cta_cnt, expert_cnt, expert_start, abort, num_experts, g).launch(
-            grid=one, block=[constants.ROUTING_THREADS, 1, 1], stream=stream
-        )
-        K.ep_route_place_kernel(
-            topk_ids, live_tokens, cta_cnt, expert_start, send_list, pair_pos, abort, num_experts
-        ).launch(grid=[g, 1, 1], block=[32, 1, 1], stream=stream)
-        # 4: ready[rank] = epoch everywhere
-        K.ep_signal_kernel(flags_tab, rank, ep_state, abort, K.FLAG_READY, world).launch(
-            grid=one, block=sig, stream=stream
-        )
-        # 5: owner waits (ready of this epoch, finished of the previous one), plans rows
-        K.ep_owner_scan_kernel(
-            flags, cnt_tab, start_tab, row_base, m_block_expert, meta, src_meta,
-            rank, ep_state, timeout_ns, abort, world, local_experts, self.tile_m, self.cluster_m,
-        ).launch(grid=one, block=[constants.ROUTING_THREADS, 1, 1], stream=stream)  # fmt: skip
-        if cutlass.const_expr(self.push):
-            # 6a-e: every owner planned its rows -> push this rank's rows -> every source pushed
-            K.ep_signal_kernel(flags_tab, rank, ep_state, abort, K.FLAG_PLANNED, world).launch(
-                grid=one, block=sig, stream=stream
-            )
-            K.ep_wait_all_kernel(
-                flags, meta, ep_state, timeout_ns, abort, K.FLAG_PLANNED, K.STAGE_SOURCE_PLANNED, world, False
-            ).launch(grid=one, block=sig, stream=stream)
-            K.ep_push_kernel(
-                x, live_tokens, send_list, expert_start, row_base_tab, y_tab, rank, abort, local_experts, top_k
-            ).launch(grid=[self.aux_grid, 1, 1], block=aux, stream=stream)
-            K.ep_signal_kernel(flags_tab, rank, ep_state, abort, K.FLAG_PUSHED, world).launch(
-                grid=one, block=sig, stream=stream
-            )
-            K.ep_wait_all_kernel(
-                flags, meta, ep_state, timeout_ns, abort, K.FLAG_PUSHED, K.STAGE_OWNER_PUSHED, world, True
-            ).launch(grid=one, block=sig, stream=stream)
-        else:
-            # 6: pull x rows from the sources
-            K.ep_gather_kernel(
-                x_sym, x_tab, send_tab, start_tab, row_base, src_meta, meta, a_buf, rank, abort,
-                world, local_experts, top_k,
-            ).launch(grid=[self.aux_grid, 1, 1], block=aux, stream=stream)  # fmt: skip
+        self.route(x, topk_ids, live_tokens, x_sym, cta_cnt, pair_pos, send_list, expert_cnt, expert_start,
+                   ep_state, abort, local_experts * self.world_size, not self.push, stream)  # fmt: skip
+        self.dispatch(x, live_tokens, flags, x_sym, send_list, expert_start, row_base, a_buf,
+                      flags_tab, x_tab, send_tab, cnt_tab, start_tab, row_base_tab, y_tab, src_meta, m_block_expert,
+                      meta, ep_state, abort, rank, timeout_ns, local_experts, top_k, stream)  # fmt: skip
         # 7-8: expert GEMMs, as the world-1 kernel (meta[0] = 0 after an abort: no tiles)
         pdl = self.use_pdl
         self.fc1.launch(a_buf, self._expert_major_view(w13), h_buf, m_block_expert, meta, stream, pdl)
         self.fc2.launch(h_buf, self._expert_major_view(w2), a_buf, m_block_expert, meta, stream, pdl)
-        # 9: done[rank] = epoch everywhere, then wait for every owner
-        K.ep_done_and_wait_kernel(flags, flags_tab, rank, ep_state, timeout_ns, abort, world).launch(
-            grid=one, block=sig, stream=stream
-        )
-        # 10: combine from the owners' y
-        K.ep_combine_kernel(
-            topk_ids,
-            topk_weights,
-            live_tokens,
-            pair_pos,
-            row_base_tab,
-            y_tab,
-            out,
-            rank,
-            abort,
-            world,
-            local_experts,
-            top_k,
-        ).launch(grid=[self.aux_grid, 1, 1], block=aux, stream=stream)
-        # 11: finished[rank] = epoch everywhere (this rank no longer reads any peer buffer)
-        K.ep_signal_kernel(flags_tab, rank, ep_state, abort, K.FLAG_FINISHED, world).launch(
-            grid=one, block=sig, stream=stream
-        )
+        self.combine(topk_ids, topk_weights, live_tokens, pair_pos, flags, flags_tab, row_base_tab, y_tab, out,
+                     ep_state, abort, rank, timeout_ns, local_experts, stream)  # fmt: skip

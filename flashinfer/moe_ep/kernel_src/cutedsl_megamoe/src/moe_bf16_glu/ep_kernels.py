@@ -119,7 +119,8 @@ def _load_sys(ptr) -> cutlass.Int32:
     return cute.arch.load(ptr, cutlass.Int32, sem="relaxed", scope="sys")
 
 
-def _aborted(abort: cute.Tensor):
+def aborted(abort: cute.Tensor):
+    """The forward in flight aborted (a cross-rank wait expired): every EP kernel returns at once."""
     return abort[ABORT_FLAG] != 0
 
 
@@ -197,7 +198,7 @@ def chunk_size(num_pairs, num_ctas):
     return cutlass.max((num_pairs + num_ctas - 1) // num_ctas, 1)
 
 
-def _live_count(live_tokens: cute.Tensor, rows):
+def live_count(live_tokens: cute.Tensor, rows):
     """The live token count: ``live_tokens[0]`` clamped to [0, rows] (rows of the token buffers)."""
     return cutlass.min(cutlass.max(live_tokens[0], cutlass.Int32(0)), rows)
 
@@ -233,10 +234,10 @@ def ep_route_count_kernel(
     bid, _, _ = cute.arch.block_idx()
     nblk, _, _ = cute.arch.grid_dim()
     nthr, _, _ = cute.arch.block_dim()
-    if not _aborted(abort):
+    if not aborted(abort):
         vec = constants.BF16_PER_16B
         hidden = x.shape[1]
-        num_tokens = _live_count(live_tokens, x.shape[0])
+        num_tokens = live_count(live_tokens, x.shape[0])
         num_pairs = num_tokens * topk_ids.shape[1]
         # x -> x_sym, one warp per token (16-byte vectors).
         lane = tid % 32
@@ -274,7 +275,7 @@ def ep_route_scan_kernel(
     num_route_ctas: cutlass.Constexpr[int],
 ):
     tid, _, _ = cute.arch.thread_idx()
-    if not _aborted(abort):
+    if not aborted(abort):
         smem = cutlass.utils.SmemAllocator()
         s_scan = smem.allocate_tensor(cutlass.Int32, cute.make_layout(32), byte_alignment=16)
         total = cutlass.Int32(0)
@@ -305,13 +306,13 @@ def ep_route_place_kernel(
     tid, _, _ = cute.arch.thread_idx()
     bid, _, _ = cute.arch.block_idx()
     nblk, _, _ = cute.arch.grid_dim()
-    if not _aborted(abort):
+    if not aborted(abort):
         smem = cutlass.utils.SmemAllocator()
         s_run = smem.allocate_tensor(cutlass.Int32, cute.make_layout(num_experts), byte_alignment=16)
         for e in cutlass.range(tid, num_experts, 32):
             s_run[e] = cta_cnt[bid, e]
         cute.arch.sync_warp()
-        num_pairs = _live_count(live_tokens, topk_ids.shape[0]) * topk_ids.shape[1]
+        num_pairs = live_count(live_tokens, topk_ids.shape[0]) * topk_ids.shape[1]
         ids_flat = cute.make_tensor(topk_ids.iterator, cute.make_layout(num_pairs))
         chunk = chunk_size(num_pairs, nblk)
         start = bid * chunk
@@ -352,7 +353,7 @@ def ep_signal_kernel(
 
     The data the flag publishes was written by earlier kernels of this stream (complete)."""
     tid, _, _ = cute.arch.thread_idx()
-    if not _aborted(abort):
+    if not aborted(abort):
         if tid < world:
             cute.arch.fence_acq_rel_sys()
             ptr = _peer_ptr(flags_tab, tid, cutlass.Int32, 4) + (kind * world + rank)
@@ -390,7 +391,7 @@ def ep_owner_scan_kernel(
     s_fail = smem.allocate_tensor(cutlass.Int32, cute.make_layout(1), byte_alignment=16)
     if tid == 0:
         s_fail[0] = cutlass.Int32(0)
-        if _aborted(abort):
+        if aborted(abort):
             s_fail[0] = cutlass.Int32(1)
     cute.arch.sync_threads()
     if s_fail[0] == 0:
@@ -480,7 +481,7 @@ def ep_gather_kernel(
     bid, _, _ = cute.arch.block_idx()
     nblk, _, _ = cute.arch.grid_dim()
     bdim, _, _ = cute.arch.block_dim()
-    if not _aborted(abort):
+    if not aborted(abort):
         warps = bdim // 32
         lane = tid % 32
         num_pairs = meta[META_NUM_PAIRS]
@@ -527,7 +528,7 @@ def ep_wait_all_kernel(
     """WAIT flags[kind, s] >= epoch for every rank s (one thread per peer). ``proxy_fence``: the
     peers wrote this rank's ``a_buf`` with generic stores and TMA reads it next (async proxy)."""
     tid, _, _ = cute.arch.thread_idx()
-    if not _aborted(abort):
+    if not aborted(abort):
         epoch = ep_state[STATE_EPOCH]
         if tid < world:
             deadline = cute.arch.globaltimer() + timeout_ns
@@ -535,7 +536,7 @@ def ep_wait_all_kernel(
                           cutlass.Int32(stage), tid, epoch)  # fmt: skip
     cute.arch.sync_threads()
     if tid == 0:
-        if _aborted(abort):
+        if aborted(abort):
             meta[META_NUM_M_BLOCKS] = cutlass.Int32(0)
             meta[META_NUM_ROWS] = cutlass.Int32(0)
     if cutlass.const_expr(proxy_fence):
@@ -564,10 +565,10 @@ def ep_push_kernel(
     bid, _, _ = cute.arch.block_idx()
     nblk, _, _ = cute.arch.grid_dim()
     bdim, _, _ = cute.arch.block_dim()
-    if not _aborted(abort):
+    if not aborted(abort):
         warps = bdim // 32
         lane = tid % 32
-        num_pairs = _live_count(live_tokens, x.shape[0]) * top_k
+        num_pairs = live_count(live_tokens, x.shape[0]) * top_k
         frag = cute.make_rmem_tensor((vec,), x.element_type)
         for i in cutlass.range(bid * warps + tid // 32, num_pairs, nblk * warps):
             p = send_list[i, 0]
@@ -602,7 +603,7 @@ def ep_done_and_wait_kernel(
     """Owner role: done[rank] = epoch in every rank (y rows and row_base are final). Source role:
     WAIT done[d] >= epoch for every owner d (stage 3)."""
     tid, _, _ = cute.arch.thread_idx()
-    if not _aborted(abort):
+    if not aborted(abort):
         epoch = ep_state[STATE_EPOCH]
         if tid < world:
             cute.arch.fence_acq_rel_sys()
@@ -636,8 +637,8 @@ def ep_combine_kernel(
     bid, _, _ = cute.arch.block_idx()
     nblk, _, _ = cute.arch.grid_dim()
     bdim, _, _ = cute.arch.block_dim()
-    if not _aborted(abort):
-        num_tokens = _live_count(live_tokens, out.shape[0])
+    if not aborted(abort):
+        num_tokens = live_count(live_tokens, out.shape[0])
         warps = bdim // 32
         lane = tid % 32
         frag_in = cute.make_rmem_tensor((vec,), out.element_type)

@@ -108,9 +108,14 @@ def export_moe_bf16(
     function_name: str = "moe_bf16",
 ) -> Path:
     """Compile, export the object file and link ``lib<function_name>.so`` in ``out_dir``."""
+    return link_library(compile_moe_bf16(kernel, hidden, inter, num_experts, top_k), out_dir, function_name)
+
+
+def link_library(compiled: Any, out_dir: str | os.PathLike, function_name: str) -> Path:
+    """Export a ``cute.compile`` result (TVM-FFI enabled) as an object file and link it into
+    ``out_dir/lib<function_name>.so`` against the CuTe DSL runtime and tvm_ffi (every export does this)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    compiled = compile_moe_bf16(kernel, hidden, inter, num_experts, top_k)
     obj = out / f"{function_name}.o"
     lib = out / f"lib{function_name}.so"
     compiled.export_to_c(str(obj), function_name=function_name, export_only_tvm_ffi_symbols=True)

@@ -7,6 +7,10 @@ quantized-dequantized (``quant_gather_kernel``; NVFP4 with the static global sca
 or dequantized from the given codes and block scales (``dequant_gather_kernel``) and written as
 exact BF16 to the token's K rows of ``a_buf``. The NVFP4 global scale is left to the GEMMs (applied
 to their fp32 accumulators) either way.
+
+The expert-parallel kernel (``ep_kernel``) prepares the rows on the source rank instead:
+``quant_rows_kernel`` writes every live token's row, quantized-dequantized or dequantized the same
+way, into the rank's symmetric ``x_sym`` once; the EP dispatch then moves exact BF16 rows.
 """
 
 import cutlass
@@ -14,6 +18,7 @@ import cutlass.cute as cute
 
 from ..common import constants
 from ..moe_bf16_glu.aux_kernels import item_grid
+from ..moe_bf16_glu.ep_kernels import aborted, live_count
 from ..src import block_quant as bq
 
 ITEM = 32  # hidden elements per thread item: one MXFP8 block, two NVFP4 blocks
@@ -32,8 +37,6 @@ def quant_gather_kernel(
     num_route_ctas: cutlass.Constexpr[int],
     fmt: cutlass.Constexpr[str],
 ):
-    vec = constants.BF16_PER_16B
-    nvec = ITEM // vec
     hidden = x.shape[1]
     num_tokens = x.shape[0]
     top_k = topk_ids.shape[1]
@@ -49,19 +52,7 @@ def quant_gather_kernel(
     for item in cutlass.range(first, num_tokens * nitem, stride):
         t = item // nitem
         g = item - t * nitem
-        for j in cutlass.range_constexpr(nvec):
-            cute.autovec_copy(cute.local_tile(x, (1, vec), (t, g * nvec + j)), cute.local_tile(frag, (1, vec), (0, j)))
-        vals.store(frag.load().to(cutlass.Float32))
-        v = [vals[0, i] for i in range(ITEM)]
-        if cutlass.const_expr(fmt == constants.FMT_MXFP8):
-            q = bq.mxfp8_qdq(v, bq.block_amax(v))
-        else:
-            b = constants.QUANT_BLOCK[constants.FMT_NVFP4]
-            q = []
-            for s in cutlass.range_constexpr(0, ITEM, b):
-                q.extend(bq.nvfp4_qdq(v[s : s + b], bq.block_amax(v[s : s + b]), gs))
-        for i in cutlass.range_constexpr(ITEM):
-            vals[0, i] = q[i]
+        _qdq_item(x, t, g, frag, vals, fmt, gs)
         qfrag.store(vals.load().to(x.element_type))
         _write_rows(qfrag, t, g, topk_ids, pair_rank, expert_off, cta_base, a_buf, rows, chunk)
         if g == 0:
@@ -87,36 +78,110 @@ def dequant_gather_kernel(
     requantization, so the GEMMs see the given values whatever rule chose their scales."""
     num_tokens = xq.shape[0]
     top_k = topk_ids.shape[1]
-    scales_per_item = ITEM // constants.QUANT_BLOCK[fmt]
-    nitem = x_scale.shape[1] // scales_per_item
-    item_bytes = ITEM if fmt == constants.FMT_MXFP8 else ITEM // 2
-    nraw = item_bytes // 16
+    nitem = x_scale.shape[1] // (ITEM // constants.QUANT_BLOCK[fmt])
     first, stride, chunk = item_grid(num_tokens, top_k, num_route_ctas)
-    raw = cute.make_rmem_tensor((1, item_bytes), cutlass.Uint8)
+    raw = cute.make_rmem_tensor((1, _item_bytes(fmt)), cutlass.Uint8)
     vals = cute.make_rmem_tensor((1, ITEM), cutlass.Float32)
     qfrag = cute.make_rmem_tensor((1, ITEM), a_buf.element_type)
     rows = cute.make_rmem_tensor((top_k,), cutlass.Int32)
     for item in cutlass.range(first, num_tokens * nitem, stride):
         t = item // nitem
         g = item - t * nitem
-        for j in cutlass.range_constexpr(nraw):
-            cute.autovec_copy(cute.local_tile(xq, (1, 16), (t, g * nraw + j)), cute.local_tile(raw, (1, 16), (0, j)))
-        if cutlass.const_expr(fmt == constants.FMT_MXFP8):
-            scale = bq.ue8m0_to_f32(cutlass.Uint32(x_scale[t, g]))
-            for i in cutlass.range_constexpr(ITEM):
-                vals[0, i] = bq.e4m3_to_f32(cutlass.Uint32(raw[0, i])) * scale
-        else:
-            for b in cutlass.range_constexpr(scales_per_item):
-                scale = bq.e4m3_to_f32(cutlass.Uint32(x_scale[t, g * scales_per_item + b]))
-                for i in cutlass.range_constexpr(8):  # 8 bytes = the block's 16 codes, element 2i low
-                    byte = cutlass.Uint32(raw[0, 8 * b + i])
-                    vals[0, 16 * b + 2 * i] = bq.e2m1_to_f32(byte & cutlass.Uint32(0xF)) * scale
-                    vals[0, 16 * b + 2 * i + 1] = bq.e2m1_to_f32(byte >> 4) * scale
+        _dequant_item(xq, x_scale, t, g, raw, vals, fmt)
         qfrag.store(vals.load().to(a_buf.element_type))
         _write_rows(qfrag, t, g, topk_ids, pair_rank, expert_off, cta_base, a_buf, rows, chunk)
         if g == 0:
             for k in cutlass.range_constexpr(top_k):
                 pair_row[t * top_k + k] = rows[k]
+
+
+@cute.kernel
+def quant_rows_kernel(
+    x: cute.Tensor,  # (T, H) bf16, or with ``prequantized`` the codes (as ``dequant_gather_kernel``)
+    x_scale: cute.Tensor,  # with ``prequantized`` the block scales, else not read
+    live_tokens: cute.Tensor,  # (1,) int32: rows of x to prepare (clamped to T)
+    x_sym: cute.Tensor,  # (T_cap, H) bf16, symmetric: receives the rows (the EP dispatch moves them)
+    act_gscale: cute.Tensor,  # (2,) fp32: NVFP4 global scales of x and of the FC2 input
+    abort: cute.Tensor,  # (4,) int32: the EP abort word
+    fmt: cutlass.Constexpr[str],
+    prequantized: cutlass.Constexpr[bool],
+):
+    """EP source side: every live token's row as exact BF16 into ``x_sym``, item by item (32
+    elements): quantized-dequantized from BF16 ``x`` (``quant_gather_kernel``'s rule) or dequantized
+    from the given codes and scales (``dequant_gather_kernel``'s), so every owner's GEMMs see the
+    values the world-size-1 kernel would."""
+    vec = constants.BF16_PER_16B
+    tid, _, _ = cute.arch.thread_idx()
+    bid, _, _ = cute.arch.block_idx()
+    nblk, _, _ = cute.arch.grid_dim()
+    nthr, _, _ = cute.arch.block_dim()
+    if not aborted(abort):
+        num_tokens = live_count(live_tokens, x.shape[0])
+        nitem = x_sym.shape[1] // ITEM
+        frag = cute.make_rmem_tensor((1, ITEM), x_sym.element_type)
+        raw = cute.make_rmem_tensor((1, _item_bytes(fmt)), cutlass.Uint8)
+        vals = cute.make_rmem_tensor((1, ITEM), cutlass.Float32)
+        qfrag = cute.make_rmem_tensor((1, ITEM), x_sym.element_type)
+        gs = cutlass.Float32(1.0)
+        if cutlass.const_expr(fmt == constants.FMT_NVFP4 and not prequantized):
+            gs = act_gscale[0]
+        for item in cutlass.range(bid * nthr + tid, num_tokens * nitem, nblk * nthr):
+            t = item // nitem
+            g = item - t * nitem
+            if cutlass.const_expr(prequantized):
+                _dequant_item(x, x_scale, t, g, raw, vals, fmt)
+            else:
+                _qdq_item(x, t, g, frag, vals, fmt, gs)
+            qfrag.store(vals.load().to(x_sym.element_type))
+            for j in cutlass.range_constexpr(ITEM // vec):
+                dst = cute.local_tile(x_sym, (1, vec), (t, g * (ITEM // vec) + j))
+                cute.autovec_copy(cute.local_tile(qfrag, (1, vec), (0, j)), dst)
+
+
+def _item_bytes(fmt: str) -> int:
+    """Code bytes of one item: 32 E4M3 codes, or 16 bytes of E2M1 pairs."""
+    return ITEM if fmt == constants.FMT_MXFP8 else ITEM // 2
+
+
+def _qdq_item(x, t, g, frag, vals, fmt: str, gs) -> None:
+    """Item ``g`` of BF16 row ``t`` of ``x``, quantized to ``fmt`` and dequantized, into ``vals``
+    (fp32, exact in BF16): MXFP8 one UE8M0 block of 32, NVFP4 two E4M3-scaled blocks of 16 with the
+    global scale ``gs``."""
+    vec = constants.BF16_PER_16B
+    nvec = ITEM // vec
+    for j in range(nvec):
+        cute.autovec_copy(cute.local_tile(x, (1, vec), (t, g * nvec + j)), cute.local_tile(frag, (1, vec), (0, j)))
+    vals.store(frag.load().to(cutlass.Float32))
+    v = [vals[0, i] for i in range(ITEM)]
+    if fmt == constants.FMT_MXFP8:
+        q = bq.mxfp8_qdq(v, bq.block_amax(v))
+    else:
+        b = constants.QUANT_BLOCK[constants.FMT_NVFP4]
+        q = []
+        for s in range(0, ITEM, b):
+            q.extend(bq.nvfp4_qdq(v[s : s + b], bq.block_amax(v[s : s + b]), gs))
+    for i in range(ITEM):
+        vals[0, i] = q[i]
+
+
+def _dequant_item(xq, x_scale, t, g, raw, vals, fmt: str) -> None:
+    """Item ``g`` of token ``t`` from its codes and block scales into ``vals`` (fp32, exact): MXFP8
+    ``e4m3 * 2**(s - 127)``, NVFP4 ``e2m1 * e4m3 block scale`` (the global scale stays with the GEMMs)."""
+    nraw = _item_bytes(fmt) // 16
+    for j in range(nraw):
+        cute.autovec_copy(cute.local_tile(xq, (1, 16), (t, g * nraw + j)), cute.local_tile(raw, (1, 16), (0, j)))
+    if fmt == constants.FMT_MXFP8:
+        scale = bq.ue8m0_to_f32(cutlass.Uint32(x_scale[t, g]))
+        for i in range(ITEM):
+            vals[0, i] = bq.e4m3_to_f32(cutlass.Uint32(raw[0, i])) * scale
+    else:
+        scales_per_item = ITEM // constants.QUANT_BLOCK[fmt]
+        for b in range(scales_per_item):
+            scale = bq.e4m3_to_f32(cutlass.Uint32(x_scale[t, g * scales_per_item + b]))
+            for i in range(8):  # 8 bytes = the block's 16 codes, element 2i low
+                byte = cutlass.Uint32(raw[0, 8 * b + i])
+                vals[0, 16 * b + 2 * i] = bq.e2m1_to_f32(byte & cutlass.Uint32(0xF)) * scale
+                vals[0, 16 * b + 2 * i + 1] = bq.e2m1_to_f32(byte >> 4) * scale
 
 
 def _write_rows(qfrag, t, g, topk_ids, pair_rank, expert_off, cta_base, a_buf, rows, chunk) -> None:

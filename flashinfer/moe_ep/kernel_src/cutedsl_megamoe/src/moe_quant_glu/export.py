@@ -10,9 +10,6 @@ Same recipe and calling convention style as ``moe_bf16_glu.export``; argument or
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import sysconfig
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +19,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from ..common import constants
 from ..common.host_utils import swap_tile_plan
-from ..moe_bf16_glu.export import _ldflags
+from ..moe_bf16_glu.export import link_library
 from .kernel import Sm90MegaMoEQuantKernel
 
 
@@ -104,13 +101,4 @@ def export_moe_quant(
     function_name: str = "moe_quant",
 ) -> Path:
     """Compile, export the object file and link ``lib<function_name>.so`` in ``out_dir``."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    compiled = compile_moe_quant(kernel, hidden, inter, num_experts, top_k)
-    obj = out / f"{function_name}.o"
-    lib = out / f"lib{function_name}.so"
-    compiled.export_to_c(str(obj), function_name=function_name, export_only_tvm_ffi_symbols=True)
-    cxx = shutil.which("g++") or sysconfig.get_config_var("CXX") or "c++"
-    subprocess.run([cxx, "-shared", "-o", str(lib), str(obj), *_ldflags()], check=True)
-    obj.unlink()
-    return lib
+    return link_library(compile_moe_quant(kernel, hidden, inter, num_experts, top_k), out_dir, function_name)

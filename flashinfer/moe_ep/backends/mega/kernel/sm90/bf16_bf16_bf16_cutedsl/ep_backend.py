@@ -29,27 +29,18 @@ from typing import Any
 import torch
 
 from ......config import MoEEpTensors, MoEWeightPack
-from ......errors import MoEEpConfigError, MoEEpTransportError
-from ..runtime import load_kernel, pool_owner
+from ......errors import MoEEpConfigError
+from ..ep_runtime import EpRankRuntime, make_loopback_group
+from ..runtime import load_kernel
 from . import ep_tuning, tuning
 from .backend import Sm90Bf16CutedslBackend
 
-#: pooled state key without the rank -> {rank: EpRankState} (loopback): how one logical rank's
-#: recovery sees the epochs of the other ranks of its workspace
-_LOOPBACK_STATES: dict[tuple, dict[int, Any]] = {}
 #: loopback group -> {rank: backend} of the layers waiting for ``knobs="auto"`` (tuned together)
 _LOOPBACK_AUTO: dict[int, dict[int, Any]] = {}
 
 
-def make_loopback_group(world_size: int, device: torch.device | str) -> Any:
-    """A group of ``world_size`` logical ranks in this process on ``device`` (BootstrapConfig.loopback_group)."""
-    from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import kernel_helpers as kh
-
-    return kh.LoopbackGroup(world_size, torch.device(device))
-
-
-class Sm90Bf16EpBackend(Sm90Bf16CutedslBackend):
-    device_live_tokens = True
+class Sm90Bf16EpBackend(EpRankRuntime, Sm90Bf16CutedslBackend):
+    """The rank runtime (provider, pooled EP state, launch, transport errors): ``ep_runtime``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super(Sm90Bf16CutedslBackend, self).__init__(*args, **kwargs)  # the base class only: no token buckets
@@ -64,25 +55,11 @@ class Sm90Bf16EpBackend(Sm90Bf16CutedslBackend):
                 f"{', '.join(drop.EP_KNOBS)}; got {c.knobs!r}"
             )
         geometry = tuning.make_geometry(c, c.num_experts)  # the EP kernel takes the GLOBAL expert count
-        self.ranks_per_gpu = b.world_size if self.mode == "loopback" else 1
         self.context = ep_tuning.ep_context(self.device, b.world_size, self.mode == "loopback")
         self.buckets = ep_tuning.ep_buckets(b.world_size, self.fleet.max_tokens_per_rank)
-        tiles: dict[str, dict[str, int]] = {}
-        self.knob_sources: dict[str, str] = {}
-        layout: int | None = None  # the largest bucket's FC1 tile: the weight layout of every bucket
-        for bucket in reversed(self.buckets):
-            if isinstance(c.knobs, dict):
-                tiles[bucket.name], self.knob_sources[bucket.name] = dict(c.knobs), "config"
-                continue
-            cached = ep_tuning.cached_ep_knobs(geometry, self.context, bucket.name)
-            if cached is not None and layout is not None and cached["fc1_tile_n"] != layout:
-                cached = None  # another weight layout than the largest bucket's: not usable here
-            tiles[bucket.name] = cached or {}
-            self.knob_sources[bucket.name] = "knob cache" if cached else "defaults"
-            if layout is None:
-                layout = drop.default_bf16_ep_knobs(
-                    geometry, b.world_size, self.ranks_per_gpu, cached, bucket=bucket.name
-                ).fc1_tile_n
+        tiles, self.knob_sources = ep_tuning.layer_tiles(
+            geometry, self.context, b.world_size, self.ranks_per_gpu, self.buckets, c.knobs
+        )
         try:
             self._set_profiles(geometry, tiles)
         except (TypeError, ValueError) as exc:
@@ -92,8 +69,6 @@ class Sm90Bf16EpBackend(Sm90Bf16CutedslBackend):
             self.knob_sources = dict.fromkeys(tiles, "defaults")
         if self.mode == "nvshmem":
             self._agree_on_knobs()
-        self.state: Any = None
-        self._pool_key: tuple | None = None
         self.w13: torch.Tensor | None = None
         self.w2: torch.Tensor | None = None
         self._natural: tuple[torch.Tensor, torch.Tensor] | None = None  # kept for knobs="auto"
@@ -141,58 +116,6 @@ class Sm90Bf16EpBackend(Sm90Bf16CutedslBackend):
             raise MoEEpConfigError("the natural-layout weights are kept only for knobs='auto'")
         return self._natural
 
-    def ep_group(self) -> Any:
-        """The EP process group over NVSHMEM (None with loopback ranks or before the bootstrap)."""
-        from flashinfer.moe_ep.core.runtime.bootstrap import current_runtime
-
-        rt = current_runtime()
-        return rt.group if self.mode == "nvshmem" and rt is not None else None
-
-    def make_provider(self) -> Any:
-        """This rank's symmetric-buffer provider (loopback group, or NVSHMEM after the bootstrap)."""
-        from flashinfer.moe_ep.core.runtime.bootstrap import current_runtime
-        from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import comm
-
-        b = self.bootstrap
-        if self.mode == "loopback":
-            return comm.make_provider("loopback", b.world_size, b.rank, self.device, b.loopback_group)
-        rt = current_runtime()
-        if rt is None or not rt.nvshmem:
-            raise MoEEpConfigError(
-                "world_size > 1 with NVSHMEM needs bootstrap_moe_ep_runtime(BootstrapConfig(...)) first "
-                "(or symmetric_memory='loopback' for R ranks on one GPU)"
-            )
-        return comm.make_provider("nvshmem", b.world_size, b.rank, self.device)
-
-    def _peers_key(self) -> tuple:
-        """Pool key of the rank's EP state, less the rank: same kernel, capacity, device, EP group."""
-        b = self.bootstrap
-        group = ("loopback", id(b.loopback_group)) if self.mode == "loopback" else ("nvshmem",)
-        kernels = tuple(fe.key.digest() for fe in self.distinct_frontends())
-        return ("ep", kernels, self.fleet.max_tokens_per_rank, str(self.device), group, pool_owner(self))
-
-    def allocate_workspace(self) -> None:
-        """The rank's EP state from the pool (a collective allocation the first time: every rank
-        builds its layers in the same order, so they share, or allocate, in step)."""
-        from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import EpRankState, comm
-
-        rank = self.bootstrap.rank
-        key = (*self._peers_key(), rank)
-
-        def make() -> Any:
-            others = tuple(fe for fe in self.distinct_frontends() if fe is not self.frontend)
-            with torch.cuda.device(self.device):
-                return EpRankState(self.frontend, self.make_provider(), rank, self.fleet.max_tokens_per_rank,
-                                   self.device, others, self.ep_group())  # fmt: skip
-
-        try:
-            self.state = comm.WORKSPACES.acquire(key, make)
-        except MemoryError as exc:
-            raise MoEEpConfigError(str(exc)) from None
-        self._pool_key = key
-        if self.mode == "loopback":
-            _LOOPBACK_STATES.setdefault(self._peers_key(), {})[rank] = self.state
-
     def warmup(self) -> None:
         """Loads every bucket's kernel (a forward is collective, so it cannot run one rank alone here);
         with ``knobs="auto"`` first tunes them (collective: every rank calls warmup)."""
@@ -238,65 +161,15 @@ class Sm90Bf16EpBackend(Sm90Bf16CutedslBackend):
         self.knob_sources = dict.fromkeys(results, "autotune")
         self.auto_pending, self._natural = False, None
 
-    def _raise_if_aborted(self, wait: bool) -> None:
-        hit = self.state.poll_abort(wait)
-        if hit is not None:
-            stage, peer, epoch = hit
-            b = self.bootstrap
-            raise MoEEpTransportError(
-                f"rank {b.rank} of {b.world_size}: the cross-rank wait '{self.state.describe_stage(stage)}' on "
-                f"rank {peer} timed out after {b.transport_timeout_s:g} s in forward #{epoch}; that forward's "
-                "output is invalid. Call recover_transport() on every rank, then forward again."
-            )
-
-    def check_transport(self) -> None:
-        """Wait for the last forward and raise ``MoEEpTransportError`` if a cross-rank wait expired."""
-        self._raise_if_aborted(wait=True)
-
-    def recover_transport(self) -> None:
-        """Collective (every rank calls it, after a ``MoEEpTransportError``): wait for this rank's work,
-        then agree on the largest epoch any rank reached, so that the next forward's flags are newer than
-        anything a failed forward left behind, also on a rank that never ran it."""
-        from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import resync_states
-
-        if self.mode == "loopback":  # one process holds every rank: set them all (idempotent)
-            resync_states(list(_LOOPBACK_STATES.get(self._peers_key(), {}).values()))
-        else:
-            resync_states([self.state], self.ep_group())
-
     def compute(self, staged: MoEEpTensors, output: torch.Tensor) -> torch.Tensor:
         # the bucket of the rows given (a host shape; under a graph the captured rows, whatever num_tokens)
         frontend = self.by_bucket[ep_tuning.bucket_of(self.world_size, staged.hidden_states.shape[0])]
-        capturing = torch.cuda.is_current_stream_capturing()
-        if not capturing:
-            self._raise_if_aborted(wait=False)  # a finished earlier forward that aborted (no sync)
-        elif not frontend.is_loaded():
-            raise MoEEpConfigError(
-                f"{self.config.kernel_name}: call warmup() on every rank before capturing a CUDA graph "
-                "(loading the kernel library inside a capture would stall the other ranks)"
-            )
-        fn = load_kernel(frontend)
-        timeout_ns = int(self.bootstrap.transport_timeout_s * 1e9)
-        # T = 0 still launches: the rank must publish zero counts and take part in every signal.
-        return self.state.launch(
-            fn,
-            staged.hidden_states, staged.topk_ids, staged.topk_weights, self.w13, self.w2, output, timeout_ns,
-            staged.num_tokens,
-        )  # fmt: skip
+        operands = (staged.hidden_states, staged.topk_ids, staged.topk_weights, self.w13, self.w2)
+        return self.launch_forward(frontend, operands, staged, output)
 
     def destroy(self) -> None:
         _LOOPBACK_AUTO.get(id(self.bootstrap.loopback_group), {}).pop(self.bootstrap.rank, None)
-        if self.state is not None:
-            from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import comm
-
-            last = comm.WORKSPACES.release(self._pool_key, lambda state: state.release())
-            if last and self.mode == "loopback":
-                peers = _LOOPBACK_STATES.get(self._peers_key(), {})
-                peers.pop(self.bootstrap.rank, None)
-                if not peers:
-                    _LOOPBACK_STATES.pop(self._peers_key(), None)
-            self.state = None
-            self._pool_key = None
+        self.release_state()
         self.w13 = self.w2 = None
 
 

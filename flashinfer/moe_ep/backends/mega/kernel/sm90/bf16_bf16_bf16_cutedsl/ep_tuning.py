@@ -3,8 +3,9 @@
 Token buckets: ``drop.tuner.TOKEN_BUCKETS`` over the GLOBAL token count ``world_size * T`` (the rows per
 expert that the owners' GEMMs see scale with it, as T does at world size 1), chosen per forward from
 this rank's ``T`` (a host shape; under a CUDA graph the captured rows). Each bucket has one knob set:
-``tile_m``, ``fc1_tile_n``, ``fc2_tile_n``, ``cluster_m``, ``dispatch``; the FC1 tile is the weight layout, so every
-bucket takes the largest bucket's. Every bucket's kernel shares the rank's one EP state (buffers sized
+``tile_m``, ``fc1_tile_n``, ``fc2_tile_n``, ``cluster_m``, ``dispatch``; the FC1 tile is the weight layout,
+and ranks of one forward may sit in different buckets, so every bucket takes the largest bucket's FC1
+tile and dispatch (``bucket_frontends``). Every bucket's kernel shares the rank's one EP state (buffers sized
 for all). Defaults per bucket: ``drop.EP_BUCKET_DEFAULTS`` (the world-size-1 defaults; measured
 against the EP autotune winners on two H200s, TUNING.md).
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -77,10 +79,13 @@ def autotune_candidates(geometry: Any, world_size: int, ranks_per_gpu: int, max_
     """Bucket name -> the knobs ``knobs="auto"`` tries for it (its defaults first), for every bucket a
     layer of per-rank capacity ``max_tokens`` reaches: what the autotune runs and the build prepares."""
     drop = _drop()
-    return {
-        bk.name: drop.ep_candidates(geometry, world_size, ranks_per_gpu, bk.name)
-        for bk, _ in bucket_plan(world_size, max_tokens)
-    }
+    plan = bucket_plan(world_size, max_tokens)
+    dispatch = drop.default_bf16_ep_knobs(geometry, world_size, ranks_per_gpu, bucket=plan[0][0].name).dispatch
+    out = {}
+    for bk, _ in plan:  # the layer's dispatch (the largest bucket's) in every bucket
+        cands = drop.ep_candidates(geometry, world_size, ranks_per_gpu, bk.name)
+        out[bk.name] = list(dict.fromkeys(replace(k, dispatch=dispatch) for k in cands))
+    return out
 
 
 def bucket_frontends(
@@ -88,20 +93,54 @@ def bucket_frontends(
 ) -> dict[str, Any]:
     """The kernel of every bucket: bucket name -> checked ``Bf16EpFrontend`` of ``tiles[name]`` over the
     bucket's defaults (equal knobs share one frontend). Raises ValueError on invalid knobs, or when the
-    buckets disagree on the FC1 tile (the weight layout, one per layer)."""
+    buckets disagree on the FC1 tile (the weight layout, one per layer).
+
+    The dispatch is the layer's, not the bucket's: every bucket takes the largest bucket's. Ranks pick
+    their bucket from their own rows, so two ranks of one forward may be in different buckets (one
+    prefilling, one decoding), and a pull owner never waits for pushes while a push source never
+    fills ``x_sym``: mixed dispatches would read stale rows and time out."""
     drop = _drop()
     by_knobs: dict[Any, Any] = {}
     out: dict[str, Any] = {}
-    for bucket in buckets:
+    dispatch: str | None = None
+    for bucket in reversed(buckets):
         knobs = drop.default_bf16_ep_knobs(geometry, world_size, ranks_per_gpu, tiles[bucket.name], bucket.name)
+        dispatch = dispatch or knobs.dispatch
+        knobs = replace(knobs, dispatch=dispatch)
         if knobs not in by_knobs:
             by_knobs[knobs] = drop.Bf16EpFrontend(geometry, knobs)
             by_knobs[knobs].check()
         out[bucket.name] = by_knobs[knobs]
+    out = {b.name: out[b.name] for b in buckets}
     layouts = {fe.knobs.fc1_tile_n for fe in out.values()}
     if len(layouts) != 1:
         raise ValueError(f"every token bucket needs one fc1_tile_n (the weight layout), got {sorted(layouts)}")
     return out
+
+
+def layer_tiles(
+    geometry: Any, context: Any, world_size: int, ranks_per_gpu: int, buckets: Sequence[Any], knobs: Any
+) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """The tile knobs of every bucket of an EP layer and where each came from: an explicit dict of
+    ``knobs`` (every bucket, "config"), else the knob cache of ``context`` ("knob cache"; an entry of
+    another FC1 tile than the largest bucket's, the weight layout, is not used), else the bucket's
+    defaults ("defaults"). ``bucket_frontends`` makes the kernels of them."""
+    tiles: dict[str, dict[str, Any]] = {}
+    sources: dict[str, str] = {}
+    layout: int | None = None  # the largest bucket's FC1 tile: the weight layout of every bucket
+    for bucket in reversed(buckets):
+        if isinstance(knobs, dict):
+            tiles[bucket.name], sources[bucket.name] = dict(knobs), "config"
+            continue
+        cached = cached_ep_knobs(geometry, context, bucket.name)
+        if cached is not None and layout is not None and cached["fc1_tile_n"] != layout:
+            cached = None  # another weight layout than the largest bucket's: not usable here
+        tiles[bucket.name] = cached or {}
+        sources[bucket.name] = "knob cache" if cached else "defaults"
+        if layout is None:
+            layout = _drop().default_bf16_ep_knobs(geometry, world_size, ranks_per_gpu, cached, bucket=bucket.name)
+            layout = layout.fc1_tile_n
+    return tiles, sources
 
 
 def cached_ep_knobs(geometry: Any, context: Any, bucket: str, path: Path | None = None) -> dict[str, int | str] | None:
@@ -149,7 +188,7 @@ class _Candidate:
         self.timeout_ns = int(backend.bootstrap.transport_timeout_s * 1e9)
 
     def launch(self) -> None:
-        self.state.launch(self.fn, self.x, self.ids, self.w, self.w13, self.w2, self.out, self.timeout_ns)
+        self.state.launch(self.fn, (self.x, self.ids, self.w, self.w13, self.w2), self.out, self.timeout_ns)
 
     def check(self) -> None:
         """Raise when a cross-rank wait of the launches so far expired (reads the abort word)."""
@@ -266,9 +305,11 @@ def autotune_ep(
             if pinned_fc1 is not None:  # the weight layout is the largest bucket's
                 tiles = {**drop.ep_knob_dict(incumbent), "fc1_tile_n": pinned_fc1}
                 incumbent = drop.default_bf16_ep_knobs(geometry, b.world_size, rpg, tiles)
+            # the dispatch is the layer's (``bucket_frontends``): every candidate takes the incumbent's
+            pinned = [replace(k, dispatch=incumbent.dispatch) for k in candidates[bucket.name]]
             cands = [incumbent] + [
                 k
-                for k in candidates[bucket.name]
+                for k in dict.fromkeys(pinned)
                 if k != incumbent and (pinned_fc1 is None or k.fc1_tile_n == pinned_fc1)
             ]
             label = f"autotune {first.config.kernel_name} world {b.world_size} {bucket.name} T={tokens}/rank" + (
@@ -313,5 +354,6 @@ __all__ = [
     "describe_ep_knobs",
     "ep_buckets",
     "ep_context",
+    "layer_tiles",
     "record_ep_knobs",
 ]
