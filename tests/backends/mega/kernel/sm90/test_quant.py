@@ -366,3 +366,27 @@ def test_quant_ep_kernels_compile_and_export_for_sm90a(tmp_path: Path) -> None:
     for fe in (mx, nv):
         lib = fe.build(tmp_path)
         assert lib.stat().st_size > 10_000 and f"__tvm_ffi_{fe.key.function_name}".encode() in lib.read_bytes()
+
+
+@pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")
+def test_build_at_world_size_2_builds_the_ep_kernels(tmp_path: Path, monkeypatch) -> None:
+    """``build --world-size 2`` builds what an NVSHMEM layer of each backend loads (the EP kernels,
+    one GPU per rank), for BF16 (every bucket of the default capacity, one dispatch) and MXFP8."""
+    from flashinfer.moe_ep.backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl import ep_tuning, tuning
+
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setenv("FLASHINFER_MOE_EP_KNOB_CACHE", str(tmp_path / "knobs.json"))  # no recorded knobs
+    shape = ["--hidden", "256", "--intermediate", "128", "--experts", "8", "--top-k", "4", "--world-size", "2"]
+    mx = CONFIG["mxfp8"](256, 128, 16, 4)
+    bf16 = moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(256, 128, 16, 4)
+    geometry = tuning.make_geometry(bf16, 16)
+    buckets = ep_tuning.ep_buckets(2, 16384)
+    bf16_fronts = ep_tuning.bucket_frontends(geometry, 2, 1, buckets, {b.name: {} for b in buckets})
+    want = {fe.key.digest() for fe in [*bucket_frontends(mx, 8, EpPlacement(2)).values(), *bf16_fronts.values()]}
+    for backend in ("sm90_bf16_bf16_bf16_cutedsl", mx.kernel_name):
+        assert cli_main(["build", "--backend", backend, *shape, "--cache", str(tmp_path)]) == 0
+    keys = kernel_cache.entries(tmp_path)
+    assert len(keys) == len(want) and {k["kernel"] for k in keys} == {"moe_bf16_ep", "moe_mxfp8_ep"}
+    assert all(k["knobs"]["world_size"] == 2 and k["knobs"]["ranks_per_gpu"] == 1 for k in keys)
+    for fe in [*bucket_frontends(mx, 8, EpPlacement(2)).values()]:
+        assert kernel_cache.lookup(fe.key, tmp_path) is not None
