@@ -188,6 +188,12 @@ def build_ep(cache: Path, worlds: tuple[int, ...]) -> None:
 
     libs = build_layer(ep_geometry, EP_MIXED_WORLD, EP_MIXED_WORLD, None, EP_MIXED_MAX_TOKENS)
     print(f"EP layer test, ranks in different buckets: {', '.join(libs)}", flush=True)
+    from tests.backends.mega.kernel.sm90.test_bf16_ep_layer_gpu import EP_WIRE_CASES
+
+    wire_geometry = tuning.make_geometry(ep_cfg.replace(combine_dtype="mxfp8"), ep_cfg.num_experts)
+    for world, knobs in EP_WIRE_CASES:
+        libs = build_layer(wire_geometry, world, world, knobs, EP_MAX_TOKENS)
+        print(f"EP layer test, mxfp8 wire, {world} loopback ranks, knobs {knobs}: {', '.join(libs)}", flush=True)
     build_quant_ep(cache)
     # the torchrun multirank test of the SM90 EP layer (one GPU per rank: ranks_per_gpu 1), for issue #8
     from tests.multirank.test_torchrun import SM90_EP_GEOMETRY, SM90_EP_MAX_TOKENS
@@ -226,7 +232,7 @@ def build_quant_ep(cache: Path) -> None:
     from flashinfer.moe_ep.backends.mega.kernel.sm90.block_scaled import EpPlacement, bucket_frontends
     from tests.backends.mega.kernel.sm90.test_quant_ep_layer_gpu import QUANT_EP_CASES, quant_ep_config
 
-    for name, _fmt, world, knobs, _preq in QUANT_EP_CASES:
+    for name, _fmt, world, knobs, _preq, _wire in QUANT_EP_CASES:
         cfg = quant_ep_config(name)
         placement = EpPlacement(world, world, (knobs or {}).get("dispatch", "pull"))
         fronts = bucket_frontends(cfg, cfg.num_experts // world, placement)

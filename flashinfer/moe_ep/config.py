@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 import torch
 
 from .core.activations import ActivationSpec, fc1_rows
+from .core.reference import COMBINE_DTYPES
 from .errors import MoEEpConfigError
 
 
@@ -92,6 +93,11 @@ class MegaKernelConfig:
     group and rank) share one refcounted workspace, so a 60-layer model pays for one (at world size
     > 1 that includes the symmetric heap). Sharing is safe for layers that run one after another on
     one stream; set False for a layer that may run concurrently with another of its geometry.
+    ``combine_dtype``: the format of the expert outputs on their way back to the token's rank (the EP
+    combine wire): ``"bf16"`` (default, exact) or ``"mxfp8"`` (E4M3 with a UE8M0 scale per 32 along H,
+    1 + 1/32 bytes per element instead of 2; ``core.reference.combine_wire``). The reference backend
+    applies its rounding at every world size; the SM90 kernels have the wire at ``world_size > 1``
+    and refuse ``"mxfp8"`` at world size 1 (no wire there).
     """
 
     kernel_name: ClassVar[str] = ""
@@ -106,10 +112,20 @@ class MegaKernelConfig:
     activation_limit: float | None = None
     knobs: Any = None
     share_workspace: bool = field(default=True, kw_only=True)
+    combine_dtype: str = field(default="bf16", kw_only=True)
 
     def __post_init__(self) -> None:
         for f in ("hidden_size", "intermediate_size", "num_experts", "top_k"):
             _positive_int(f"{type(self).__name__}.{f}", getattr(self, f))
+        if self.combine_dtype not in COMBINE_DTYPES:
+            raise MoEEpConfigError(
+                f"{type(self).__name__}.combine_dtype must be one of {', '.join(COMBINE_DTYPES)}, "
+                f"got {self.combine_dtype!r}"
+            )
+        if self.combine_dtype == "mxfp8" and self.hidden_size % 32:
+            raise MoEEpConfigError(
+                f"combine_dtype='mxfp8' needs hidden_size to be a multiple of 32, got {self.hidden_size}"
+            )
         if self.top_k > self.num_experts:
             raise MoEEpConfigError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
         if not isinstance(self.share_workspace, bool):

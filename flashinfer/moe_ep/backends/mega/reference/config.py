@@ -5,7 +5,6 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ....config import MegaKernelConfig
-from ....core.reference import COMBINE_DTYPES
 from ....core.reference_quant import FORMAT_BLOCK
 from ....errors import MoEEpConfigError
 
@@ -29,31 +28,19 @@ class ReferenceMegaMoeConfig(MegaKernelConfig):
     - ``input_global_scale``, ``fc2_input_global_scale`` (NVFP4 only): static global scales of the FC1
       and FC2 inputs; ``None`` = dynamic, from the whole group's tensor of the forward (an amax
       all-reduce at ``world_size > 1``).
-    - ``combine_dtype``: the format of the expert outputs on their way back to the token's rank:
-      ``"bf16"`` (default, exact) or ``"mxfp8"`` (E4M3 with a UE8M0 scale per 32 along H: 1 + 1/32 bytes
-      per element instead of 2 for a kernel that sends them so; ``core.reference.combine_wire``). The
-      reference applies the rounding to every expert output at every world size (its all-to-all still
-      moves the rounded rows as bf16), so world 1 and EP give the same result.
+    - ``combine_dtype`` (``MegaKernelConfig``): the reference applies the wire's rounding to every
+      expert output at every world size (its all-to-all still moves the rounded rows as bf16), so
+      world 1 and EP give the same result.
     """
 
     kernel_name: ClassVar[str] = "reference"
     weight_format: str = field(default="bf16", kw_only=True)  # type: ignore[misc]  (a ClassVar in the base)
     input_global_scale: float | None = field(default=None, kw_only=True)
     fc2_input_global_scale: float | None = field(default=None, kw_only=True)
-    combine_dtype: str = field(default="bf16", kw_only=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         fmt = self.weight_format
-        if self.combine_dtype not in COMBINE_DTYPES:
-            raise MoEEpConfigError(
-                f"ReferenceMegaMoeConfig.combine_dtype must be one of {', '.join(COMBINE_DTYPES)}, "
-                f"got {self.combine_dtype!r}"
-            )
-        if self.combine_dtype == "mxfp8" and self.hidden_size % 32:
-            raise MoEEpConfigError(
-                f"combine_dtype='mxfp8' needs hidden_size to be a multiple of 32, got {self.hidden_size}"
-            )
         if fmt not in REFERENCE_WEIGHT_FORMATS:
             raise MoEEpConfigError(
                 f"ReferenceMegaMoeConfig.weight_format must be one of {', '.join(REFERENCE_WEIGHT_FORMATS)}, "

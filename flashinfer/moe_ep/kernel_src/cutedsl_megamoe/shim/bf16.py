@@ -51,6 +51,8 @@ def default_bf16_knobs(geometry: Geometry) -> Bf16Knobs:
 
 
 class Bf16Frontend(KernelFrontend):
+    #: the combine wires the kernel has (world size 1: none, bf16 y)
+    combine_wires: tuple[str, ...] = ("bf16",)
     kernel_family = "moe_bf16_glu"
 
     def __init__(self, geometry: Geometry, knobs: Bf16Knobs | None = None, **kw: Any) -> None:
@@ -62,7 +64,10 @@ class Bf16Frontend(KernelFrontend):
 
     def check_glu_problem(self, local_experts: int) -> None:
         """Rules of every BF16 GLU kernel (world size 1 and EP): activation, sizes, N tiles."""
-        check_glu_geometry(self.geometry, self.knobs.fc1_tile_n, self.knobs.fc2_tile_n, local_experts, "BF16")
+        k = self.knobs
+        check_glu_geometry(
+            self.geometry, k.fc1_tile_n, k.fc2_tile_n, local_experts, "BF16", combine_wires=self.combine_wires
+        )
 
     def check_tiles(self) -> None:
         """The M tile rules of the grouped GEMM (world size 1 and EP); N tiles: ``check_glu_problem``."""

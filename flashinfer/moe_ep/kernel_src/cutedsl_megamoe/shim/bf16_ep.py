@@ -131,6 +131,8 @@ class EpFrontendMixin:
 
     geometry: Geometry
     knobs: Any
+    #: the combine wires of the EP kernels (``geometry.combine_dtype``)
+    combine_wires: tuple[str, ...] = ("bf16", "mxfp8")
 
     @property
     def local_experts(self) -> int:
@@ -199,6 +201,7 @@ class Bf16EpFrontend(EpFrontendMixin, Bf16Frontend):
             ranks_per_gpu=k.ranks_per_gpu,
             cluster_m=k.cluster_m,
             dispatch=k.dispatch,
+            combine_dtype=g.combine_dtype,
         )
         return kh.export_moe_bf16_ep(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)
 

@@ -45,6 +45,8 @@ class Geometry:
     # hidden_states as the kernel takes them: "bf16", or pre-quantized in a block-scaled format
     # ("mxfp8", "nvfp4": codes and block scales; the block-scaled kernels only)
     input_format: str = "bf16"
+    # the EP combine wire ("bf16", or "mxfp8": y sent as MXFP8 codes and scales; EP kernels only)
+    combine_dtype: str = "bf16"
 
 
 def dsl_available() -> bool:
@@ -163,10 +165,12 @@ def check_glu_geometry(
     local_experts: int,
     kernel: str,
     input_formats: tuple[str, ...] = ("bf16",),
+    combine_wires: tuple[str, ...] = ("bf16",),
 ) -> None:
     """The rules every GLU MoE kernel of the drop shares (BF16, EP, block-scaled): an input format it
-    takes, a known activation, at most ``MAX_EXPERTS`` experts per rank, H and I multiples of the K
-    tile, N tiles that divide FC1's rows and H. Raises ValueError naming ``kernel``."""
+    takes, a combine wire it has (world-size-1 kernels have none: bf16 y), a known activation, at most
+    ``MAX_EXPERTS`` experts per rank, H and I multiples of the K tile, N tiles that divide FC1's rows
+    and H. Raises ValueError naming ``kernel``."""
     from . import kernel_helpers as kh  # constants only (no cutlass)
 
     g, c = geometry, kh.constants
@@ -174,6 +178,14 @@ def check_glu_geometry(
         raise ValueError(
             f"the {kernel} kernel takes hidden_states as {' or '.join(input_formats)}, not {g.input_format!r}"
         )
+    if g.combine_dtype not in combine_wires:
+        if combine_wires == ("bf16",):
+            raise ValueError(
+                f"combine_dtype={g.combine_dtype!r} is the EP combine wire: the world-size-1 {kernel} kernel has "
+                "none (use 'bf16'; the reference backend applies the wire rounding at every world size)"
+            )
+        wires = ", ".join(combine_wires)
+        raise ValueError(f"the {kernel} kernel's combine wire is one of {wires}, not {g.combine_dtype!r}")
     if g.activation not in c.ACTIVATIONS:
         raise ValueError(f"activation {g.activation!r} is not served by the {kernel} kernel")
     if local_experts > c.MAX_EXPERTS:

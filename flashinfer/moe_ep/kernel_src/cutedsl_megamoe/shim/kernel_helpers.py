@@ -132,6 +132,9 @@ SRC_SYMBOLS: dict[str, SrcSymbol] = {
             "num_sms",
             "world_size",
             "ranks_per_gpu",
+            "cluster_m",
+            "dispatch",
+            "combine_dtype",
         ),
     ),
     "export_moe_bf16_ep": SrcSymbol(
@@ -158,6 +161,7 @@ SRC_SYMBOLS: dict[str, SrcSymbol] = {
             "world_size",
             "ranks_per_gpu",
             "dispatch",
+            "combine_dtype",
         ),
         call_params=QUANT_EP_KERNEL_CALL,
     ),

@@ -58,6 +58,8 @@ class PackedQuantWeights:
 
 class QuantFrontend(KernelFrontend):
     fmt: ClassVar[str]
+    #: the combine wires the kernel has (world size 1: none, bf16 y)
+    combine_wires: tuple[str, ...] = ("bf16",)
 
     def __init__(self, geometry: Geometry, knobs: QuantKnobs | None = None, **kw: Any) -> None:
         super().__init__(geometry, knobs or default_quant_knobs(geometry), **kw)
@@ -79,8 +81,9 @@ class QuantFrontend(KernelFrontend):
     def check(self) -> None:
         k = self.knobs
         check_glu_geometry(
-            self.geometry, k.fc1_tile_n, k.fc2_tile_n, self.local_experts, self.fmt, ("bf16", self.fmt)
-        )
+            self.geometry, k.fc1_tile_n, k.fc2_tile_n, self.local_experts, self.fmt, ("bf16", self.fmt),
+            self.combine_wires,
+        )  # fmt: skip
         if k.swap_ab:
             tiles = kh.constants.SWAP_TOKEN_TILES
             if k.tile_m not in tiles:

@@ -65,6 +65,7 @@ class QuantEpFrontend(EpFrontendMixin, QuantFrontend):
             world_size=k.world_size,
             ranks_per_gpu=k.ranks_per_gpu,
             dispatch=k.dispatch,
+            combine_dtype=g.combine_dtype,
         )
         return kh.export_moe_quant_ep(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)
 

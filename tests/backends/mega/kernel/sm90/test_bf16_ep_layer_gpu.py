@@ -42,13 +42,18 @@ EP_CASES = [
 EP_MAX_TOKENS = 256
 
 
-def _config(knobs: dict | None = None) -> moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig:
-    return moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(**EP_GEOMETRY, knobs=knobs)
+#: (world size, knobs) of the mxfp8 combine wire test (kernels prebuilt by gpu_session.py)
+EP_WIRE_CASES = [(2, None), (4, {"dispatch": "push"})]
+
+
+def _config(knobs: dict | None = None, combine_dtype: str = "bf16") -> moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig:
+    return moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(**EP_GEOMETRY, knobs=knobs, combine_dtype=combine_dtype)
 
 
 def _world(world: int, timeout_s: float = 2.0, knobs: dict | str | None = None, warm: bool = True, *, group=None,
-           seed: int | None = None, share: bool = True, max_tokens: int = 256):  # fmt: skip
-    cfg = _config(knobs).replace(share_workspace=share)
+           seed: int | None = None, share: bool = True, max_tokens: int = 256,
+           combine_dtype: str = "bf16"):  # fmt: skip
+    cfg = _config(knobs, combine_dtype).replace(share_workspace=share)
     g = torch.Generator().manual_seed(world if seed is None else seed)
     w13, w2 = make_expert_weights(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, generator=g, device="cuda")
     group = moe.make_loopback_group(world, "cuda") if group is None else group
@@ -171,6 +176,46 @@ def test_ranks_in_different_token_buckets_agree_on_the_dispatch() -> None:
         _assert_matches_reference(inputs, outs, w13, w2)
         print(f"tokens {tokens}: buckets {sorted(buckets)}")
     assert len({ep_tuning.bucket_of(EP_MIXED_WORLD, t) for t in (1100, 3)}) == 2
+    for layer in layers:
+        layer.destroy()
+
+
+@pytest.mark.parametrize("world, knobs", EP_WIRE_CASES)
+def test_mxfp8_combine_wire_matches_the_reference(world: int, knobs: dict | None) -> None:
+    """``combine_dtype="mxfp8"``: the owners send y as MXFP8 codes and scales (rewritten in place in their
+    a_buf), the sources dequantize them: against the reference with the same wire (every element within
+    4 half-steps of E4M3 of the term scale: an element of y on a rounding boundary may round to the
+    other side after fp32 sums of another order), mean relative error < 1 %; repeatable bit for bit."""
+    from .test_quant_gpu import format_units
+
+    cfg, w13, w2, layers, streams = _world(world, knobs=knobs, combine_dtype="mxfp8")
+    g = torch.Generator().manual_seed(200 + world)
+    tokens = [(41 * (r + 2)) % 250 + 1 for r in range(world)]
+    tokens[-1] = 0  # a zero-token rank
+    for routing in ("uniform", "skewed", "empty"):
+        inputs = []
+        for t in tokens:
+            x = make_hidden_states(t, cfg.hidden_size, generator=g, device="cuda")
+            ids, w = make_topk(t, cfg.num_experts, cfg.top_k, routing=routing, generator=g, device="cuda")
+            inputs.append((x, ids, w))
+        first = _forward(layers, streams, inputs)
+        for layer in layers:
+            layer.check_transport()
+        ref, scale = moe_reference(torch.cat([i[0] for i in inputs]), torch.cat([i[1] for i in inputs]),
+                                   torch.cat([i[2] for i in inputs]), w13, w2, return_term_scale=True,
+                                   combine_dtype="mxfp8")  # fmt: skip
+        plain = moe_reference(torch.cat([i[0] for i in inputs]), torch.cat([i[1] for i in inputs]),
+                              torch.cat([i[2] for i in inputs]), w13, w2)  # fmt: skip
+        got = torch.cat(first)
+        assert not bool(got.isnan().any())
+        mean_err, max_err = relative_errors(got, ref)
+        units = format_units(got, ref, scale, "mxfp8")
+        wire_err = relative_errors(got, plain)[0]
+        print(f"world {world} {routing} mxfp8 wire: mean rel {mean_err:.2e} (vs the bf16-wire reference "
+              f"{wire_err:.2e}), max rel {max_err:.2e}, {units:.2f} units")  # fmt: skip
+        assert mean_err < 1e-2 and units <= 4.0
+        again = _forward(layers, streams, inputs)
+        assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
     for layer in layers:
         layer.destroy()
 

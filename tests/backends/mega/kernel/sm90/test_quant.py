@@ -311,6 +311,10 @@ def test_ep_bucket_frontends_take_the_global_experts_and_the_layer_dispatch(fmt:
         ep_cls(drop.Geometry(256, 128, 2048, 4, "swiglu", None), drop.QuantEpKnobs(world_size=8)).check()
     with pytest.raises(MoEEpConfigError, match="dispatch must be one of"):
         make_frontend(CONFIG[fmt](256, 128, 16, 4), 8, None, EpPlacement(2, 1, "broadcast"))
+    wire = CONFIG[fmt](256, 128, 16, 4, combine_dtype="mxfp8")  # the EP combine wire: no wire at world 1
+    with pytest.raises(MoEEpConfigError, match="world-size-1 .* kernel has none"):
+        bucket_frontends(wire, 16)
+    assert {fe.geometry.combine_dtype for fe in bucket_frontends(wire, 8, EpPlacement(2)).values()} == {"mxfp8"}
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -358,12 +362,19 @@ def test_quant_ep_rank_state_launches_with_the_exported_argument_order(monkeypat
 
 @pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")
 def test_quant_ep_kernels_compile_and_export_for_sm90a(tmp_path: Path) -> None:
-    """Two EP variants export for sm_90a here: MXFP8 swap-AB 16-token tiles with pull dispatch, NVFP4
-    from codes and scales with 128-row tiles and push dispatch."""
+    """EP variants export for sm_90a here: MXFP8 swap-AB 16-token tiles with pull dispatch, NVFP4 from
+    codes and scales with 128-row tiles, push dispatch and the mxfp8 combine wire, BF16 with that wire."""
+    from flashinfer.moe_ep.backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl import tuning
+
     mx = bucket_frontends(CONFIG["mxfp8"](256, 128, 16, 4), 8, EpPlacement(2, 2))["swap16"]
-    nv_cfg = CONFIG["nvfp4"](256, 128, 16, 4, knobs={"tile_m": 128, "dispatch": "push"}, prequantized_input=True)
+    nv_cfg = CONFIG["nvfp4"](256, 128, 16, 4, knobs={"tile_m": 128, "dispatch": "push"}, prequantized_input=True,
+                             combine_dtype="mxfp8")  # fmt: skip
     nv = make_frontend(nv_cfg, 8, None, EpPlacement(2, 2, "push"))
-    for fe in (mx, nv):
+    bf16_wire = moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(256, 128, 16, 4, combine_dtype="mxfp8")
+    geometry = tuning.make_geometry(bf16_wire, 16)
+    bf16 = drop.Bf16EpFrontend(geometry, drop.default_bf16_ep_knobs(geometry, 2, 2, bucket="decode"))
+    assert nv.geometry.combine_dtype == bf16.geometry.combine_dtype == "mxfp8"
+    for fe in (mx, nv, bf16):
         lib = fe.build(tmp_path)
         assert lib.stat().st_size > 10_000 and f"__tvm_ffi_{fe.key.function_name}".encode() in lib.read_bytes()
 

@@ -3,8 +3,9 @@ ranks on one GPU (marked ``gpu``): every rank's output against the format-aware 
 reference (``core.reference_quant.moe_reference_quantized``) on the concatenated global inputs, with
 the gates of ``test_quant_gpu`` (format units everywhere, the mean relative error from 128 global
 tokens on), outputs poisoned with NaN, a zero-token rank, ranks in different token buckets, uniform /
-skewed / empty-expert routing, both dispatches, pre-quantized inputs, bitwise repeatability, CUDA-graph
-replays with other live counts, and a missing rank raising ``MoEEpTransportError`` then recovering.
+skewed / empty-expert routing, both dispatches, pre-quantized inputs, the mxfp8 combine wire (against
+the reference with ``combine_dtype="mxfp8"``), bitwise repeatability, CUDA-graph replays with other
+live counts, and a missing rank raising ``MoEEpTransportError`` then recovering.
 
 Run it in its own pytest process (it sets ``CUDA_DEVICE_MAX_CONNECTIONS`` before CUDA starts).
 Kernels: ``scripts/gpu_session.py build`` (``QUANT_EP_CASES``).
@@ -31,38 +32,41 @@ from .test_quant_gpu import CONFIG_CLS, MAX_UNITS, MEAN_GATE_T, SMALL, _prequant
 pytestmark = pytest.mark.gpu
 
 QUANT_EP_MAX_TOKENS = 1024
-#: (name, fmt, world size, knobs, prequantized input) of every layer these tests build (prebuilt by
-#: scripts/gpu_session.py): the default buckets of both formats, push dispatch, the 128-row
-#: shared-memory-dequantization GEMMs, codes and scales as input
+#: (name, fmt, world size, knobs, prequantized input, combine wire) of every layer these tests build
+#: (prebuilt by scripts/gpu_session.py): the default buckets of both formats, push dispatch, the
+#: 128-row shared-memory-dequantization GEMMs, codes and scales as input, the mxfp8 combine wire
 QUANT_EP_CASES = [
-    ("mxfp8-w2", "mxfp8", 2, None, False),
-    ("nvfp4-w2", "nvfp4", 2, None, False),
-    ("mxfp8-w4-push", "mxfp8", 4, {"dispatch": "push"}, False),
-    ("nvfp4-w2-m128-push", "nvfp4", 2, {"tile_m": 128, "dispatch": "push"}, False),
-    ("mxfp8-w2-preq", "mxfp8", 2, None, True),
-    ("nvfp4-w2-preq-push", "nvfp4", 2, {"dispatch": "push"}, True),
+    ("mxfp8-w2", "mxfp8", 2, None, False, "bf16"),
+    ("nvfp4-w2", "nvfp4", 2, None, False, "bf16"),
+    ("mxfp8-w4-push", "mxfp8", 4, {"dispatch": "push"}, False, "bf16"),
+    ("nvfp4-w2-m128-push", "nvfp4", 2, {"tile_m": 128, "dispatch": "push"}, False, "bf16"),
+    ("mxfp8-w2-preq", "mxfp8", 2, None, True, "bf16"),
+    ("nvfp4-w2-preq-push", "nvfp4", 2, {"dispatch": "push"}, True, "bf16"),
+    ("mxfp8-w2-wire", "mxfp8", 2, None, False, "mxfp8"),
+    ("nvfp4-w4-push-wire", "nvfp4", 4, {"dispatch": "push"}, False, "mxfp8"),
 ]
 GEOMETRY = {**SMALL, "activation": "swiglu", "activation_limit": None}
 
 
 def quant_ep_config(name: str):
     """The config of case ``name`` (the NVFP4 activation scales are runtime values: any serve the build)."""
-    _, fmt, _, knobs, preq = next(c for c in QUANT_EP_CASES if c[0] == name)
-    return CONFIG_CLS[fmt](**GEOMETRY, knobs=knobs, prequantized_input=preq)
+    _, fmt, _, knobs, preq, wire = next(c for c in QUANT_EP_CASES if c[0] == name)
+    return CONFIG_CLS[fmt](**GEOMETRY, knobs=knobs, prequantized_input=preq, combine_dtype=wire)
 
 
 class World:
     """Every loopback rank's layer of one case, the global quantized weights, one stream per rank."""
 
     def __init__(self, name: str, timeout_s: float = 2.0) -> None:
-        _, fmt, world, knobs, preq = next(c for c in QUANT_EP_CASES if c[0] == name)
+        _, fmt, world, knobs, preq, wire = next(c for c in QUANT_EP_CASES if c[0] == name)
         g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
         e, h, i = SMALL["num_experts"], SMALL["hidden_size"], SMALL["intermediate_size"]
         w13, w2 = make_expert_weights(e, h, i, "swiglu", generator=g, device="cuda")
         self.q = quantize_expert_weights(w13, w2, fmt)
         calib = make_hidden_states(256, h, generator=g, device="cuda")
         self.scales = calibrated_scales(fmt, GEOMETRY, self.q, calib)
-        self.cfg = CONFIG_CLS[fmt](**GEOMETRY, knobs=knobs, prequantized_input=preq, **self.scales)
+        self.cfg = CONFIG_CLS[fmt](**GEOMETRY, knobs=knobs, prequantized_input=preq, combine_dtype=wire,
+                                   **self.scales)  # fmt: skip
         self.name, self.fmt, self.world, self.preq = name, fmt, world, preq
         group = moe.make_loopback_group(world, "cuda")
         e_loc = e // world
@@ -135,7 +139,8 @@ class World:
         scales = {k: v for k, v in self.scales.items() if not (self.preq and k == "input_global_scale")}
         ref, term = moe_reference_quantized(self.ref_x, torch.cat([i.topk_ids for i in inputs]),
                                             torch.cat([i.topk_weights for i in inputs]), self.q, "swiglu", None,
-                                            fmt=self.fmt, return_term_scale=True, **scales)  # fmt: skip
+                                            fmt=self.fmt, return_term_scale=True,
+                                            combine_dtype=self.cfg.combine_dtype, **scales)  # fmt: skip
         assert not bool(got.isnan().any()), f"{label}: some output rows were never written"
         mean_err, max_err = relative_errors(got, ref)
         units = format_units(got, ref, term, self.fmt)

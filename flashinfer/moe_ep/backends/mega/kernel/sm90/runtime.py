@@ -41,6 +41,7 @@ def make_geometry(config: Any, num_local_experts: int) -> Any:
         activation=config.activation,
         activation_limit=config.activation_spec.effective_limit,
         input_format=config.input_format,
+        combine_dtype=config.combine_dtype,
     )
 
 

@@ -64,6 +64,8 @@ class EpProtocol:
         block count with a phantom block). The grid must be even.
     :param dispatch: ``"pull"`` or ``"push"`` (see ``ep_kernels``). Every rank of a forward must use
         the same dispatch: a pull owner never waits for pushes and a push source never fills ``x_sym``.
+    :param combine_dtype: the combine wire, ``"bf16"`` or ``"mxfp8"`` (``ep_kernels.WIRES``; every rank
+        of a forward must use the same one).
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class EpProtocol:
         cluster_m: int,
         dispatch: str,
         use_pdl: bool,
+        combine_dtype: str = K.WIRE_BF16,
     ) -> None:
         if activation not in constants.ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}")
@@ -95,6 +98,9 @@ class EpProtocol:
         if dispatch not in ("pull", "push"):
             raise ValueError(f"dispatch must be 'pull' or 'push', got {dispatch!r}")
         self.push = dispatch == "push"
+        if combine_dtype not in K.WIRES:
+            raise ValueError(f"combine_dtype must be one of {', '.join(K.WIRES)}, got {combine_dtype!r}")
+        self.combine_dtype = combine_dtype
         self.aux_grid = self.grid * AUX_CTAS_PER_SM
         self.aux_threads = 256
         self.aux_vpt = 1  # the EP gather/combine move one 16-byte vector per thread item (check_problem reads it)
@@ -165,10 +171,17 @@ class EpProtocol:
             ).launch(grid=[self.aux_grid, 1, 1], block=aux, stream=stream)  # fmt: skip
 
     def combine(self, topk_ids, topk_weights, live_tokens, pair_pos, flags, flags_tab, row_base_tab, y_tab, out,
-                ep_state, abort, rank, timeout_ns, local_experts: int, stream) -> None:  # fmt: skip
-        """Kernels 9-11."""
+                a_buf, meta, ep_state, abort, rank, timeout_ns, local_experts: int, stream) -> None:  # fmt: skip
+        """Kernels 8b (mxfp8 wire) and 9-11."""
         world = self.world_size
         sig = [K.SIGNAL_THREADS, 1, 1]
+        if self.combine_dtype == K.WIRE_MXFP8:
+            # 8b: this rank's y rows in their wire form, before it tells the sources they are ready
+            a_words = cute.recast_tensor(a_buf, cutlass.Uint32)
+            a_bytes = cute.recast_tensor(a_buf, cutlass.Uint8)
+            K.ep_wire_quant_kernel(a_buf, a_words, a_bytes, meta, abort).launch(
+                grid=[self.aux_grid, 1, 1], block=[self.aux_threads, 1, 1], stream=stream
+            )
         # 9: done[rank] = epoch everywhere, then wait for every owner
         K.ep_done_and_wait_kernel(flags, flags_tab, rank, ep_state, timeout_ns, abort, world).launch(
             grid=[1, 1, 1], block=sig, stream=stream
@@ -176,7 +189,7 @@ class EpProtocol:
         # 10: combine from the owners' y
         K.ep_combine_kernel(
             topk_ids, topk_weights, live_tokens, pair_pos, row_base_tab, y_tab, out, rank, abort,
-            world, local_experts, topk_ids.shape[1],
+            world, local_experts, topk_ids.shape[1], self.combine_dtype,
         ).launch(grid=[self.aux_grid, 1, 1], block=[self.aux_threads, 1, 1], stream=stream)  # fmt: skip
         # 11: finished[rank] = epoch everywhere (this rank no longer reads any peer buffer)
         K.ep_signal_kernel(flags_tab, rank, ep_state, abort, K.FLAG_FINISHED, world).launch(
@@ -190,7 +203,7 @@ class Sm90MegaMoEBf16EpKernel(EpProtocol):
     Same knobs as ``Sm90MegaMoEBf16Kernel`` (activation, limit, tile_m, fc1/fc2_tile_n, num_sms,
     fc1/fc2_stages, use_pdl (GEMMs only), epi_direct, stage_mask) plus those of ``EpProtocol``
     (world_size, ranks_per_gpu, cluster_m: GEMM clusters of two CTAs along M that share each weight
-    tile when both blocks belong to one expert; dispatch).
+    tile when both blocks belong to one expert; dispatch; combine_dtype).
 
     :param stage_mask: accepted for signature parity; only 0b11111 is supported here.
 
@@ -215,8 +228,11 @@ class Sm90MegaMoEBf16EpKernel(EpProtocol):
         ranks_per_gpu: int = 1,
         cluster_m: int = 1,
         dispatch: str = "pull",
+        combine_dtype: str = "bf16",
     ) -> None:
-        super().__init__(activation, tile_m, num_sms, world_size, ranks_per_gpu, cluster_m, dispatch, use_pdl)
+        super().__init__(
+            activation, tile_m, num_sms, world_size, ranks_per_gpu, cluster_m, dispatch, use_pdl, combine_dtype
+        )
         if stage_mask != 0b11111:
             raise ValueError("the EP kernel runs every stage (stage_mask must be 0b11111)")
         self.limit = limit
@@ -275,4 +291,4 @@ class Sm90MegaMoEBf16EpKernel(EpProtocol):
         self.fc1.launch(a_buf, self._expert_major_view(w13), h_buf, m_block_expert, meta, stream, pdl)
         self.fc2.launch(h_buf, self._expert_major_view(w2), a_buf, m_block_expert, meta, stream, pdl)
         self.combine(topk_ids, topk_weights, live_tokens, pair_pos, flags, flags_tab, row_base_tab, y_tab, out,
-                     ep_state, abort, rank, timeout_ns, local_experts, stream)  # fmt: skip
+                     a_buf, meta, ep_state, abort, rank, timeout_ns, local_experts, stream)  # fmt: skip

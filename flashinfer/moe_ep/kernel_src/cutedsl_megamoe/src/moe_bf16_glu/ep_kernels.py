@@ -14,6 +14,7 @@ One forward on rank ``r`` of ``R`` (global experts ``E = R * E_loc``, expert ``e
  5    ep_owner_scan          1       WAIT ready[*] >= epoch, finished[*] >= prev_epoch; row plan
  6    ep_gather              G       peer reads of x rows into a_buf (expert-major, padded)
  7/8  FC1 / FC2              G       ``GroupedGemmSm90`` exactly as the world-1 kernel
+ 8b   ep_wire_quant          G       (``combine_dtype="mxfp8"``) y rows rewritten in place as MXFP8
  9    ep_done_and_wait       1       done[r] = epoch into every rank; WAIT done[*] >= epoch
  10   ep_combine             G       out[t] = bf16(sum_k w * y) with y read from the owners
  11   ep_signal              1       finished[r] = epoch into every rank
@@ -49,6 +50,12 @@ Every wait (kernels 5 and 9) runs in a single CTA, one thread per awaited peer, 
 reads ``abort[0]`` first and returns when it is set; kernel 5 then also writes ``meta[0] = 0`` so
 the GEMMs (which do not read the abort word) have no tiles. No trap, no hang.
 
+Combine wire (``WIRE_*``): ``"bf16"`` (default) reads each y row as bf16 (2 bytes per element);
+``"mxfp8"`` has the owner rewrite each y row of its ``a_buf`` in place (kernel 8b) as E4M3 codes in the
+row's first H bytes and one UE8M0 scale per 32 after them (``core.quant.quantize_mxfp8``'s rule), and
+the combine reads those 1 + 1/32 bytes per element and dequantizes them exactly (48 % fewer bytes over
+the links; the semantics of ``core.reference.combine_wire``).
+
 Placement (owner side, deterministic): a source's send list is its pairs sorted by global expert,
 token order inside an expert (kernel 3 ranks with ``match.any`` inside one warp per chunk, so
 the order does not depend on atomics). The owner lays rows out expert-major, each local expert
@@ -66,6 +73,7 @@ import cutlass
 import cutlass.cute as cute
 
 from ..common import constants
+from ..src import block_quant as bq
 from .ep_workspace import (  # noqa: F401  (one definition)
     ABORT_LEN,
     NUM_FLAG_KINDS,
@@ -103,6 +111,13 @@ SRC_START = 0  # first index of the owner's range in source s's send list
 SRC_TOTAL = 1  # pairs from s to the owner
 SRC_PREFIX = 2  # sum of SRC_TOTAL over sources < s
 SRC_META_LEN = 4
+
+# combine wire formats (``ep_combine_kernel``)
+WIRE_BF16 = "bf16"
+WIRE_MXFP8 = "mxfp8"
+WIRES = (WIRE_BF16, WIRE_MXFP8)
+WIRE_BLOCK = 32  # elements per UE8M0 scale on the mxfp8 wire
+WIRE_LANE = 16  # codes a combine lane reads per step (one 16-byte load; half a scale block)
 
 SIGNAL_THREADS = 64  # threads of the single-CTA signal/wait kernels (>= R, so R <= 64)
 POLL_NS = 128  # nanosleep between polls
@@ -591,6 +606,46 @@ def ep_push_kernel(
 
 
 @cute.kernel
+def ep_wire_quant_kernel(
+    a_buf: cute.Tensor,  # (M_cap, H) bf16 (own): y rows, rewritten in place
+    a_words: cute.Tensor,  # (M_cap, H/2) uint32: the same memory
+    a_bytes: cute.Tensor,  # (M_cap, 2H) uint8: the same memory
+    meta: cute.Tensor,  # (META_LEN,) int32: META_NUM_ROWS rows of a_buf hold y
+    abort: cute.Tensor,
+):
+    """Kernel 8b (``combine_dtype="mxfp8"``, owner side, after FC2): every y row becomes its MXFP8 wire
+    form in place, codes in bytes [0, H) (element order), UE8M0 scales in bytes [H, H + H/32). One CTA
+    per row at a time: the row is staged in shared memory first, since its codes overwrite the first
+    half of the row while other threads still read their blocks."""
+    vec = constants.BF16_PER_16B
+    hidden = a_buf.shape[1]
+    tid, _, _ = cute.arch.thread_idx()
+    bid, _, _ = cute.arch.block_idx()
+    nblk, _, _ = cute.arch.grid_dim()
+    nthr, _, _ = cute.arch.block_dim()
+    if not aborted(abort):
+        smem = cutlass.utils.SmemAllocator()
+        s_row = smem.allocate_tensor(a_buf.element_type, cute.make_layout(hidden), byte_alignment=16)
+        frag = cute.make_rmem_tensor((WIRE_BLOCK,), a_buf.element_type)
+        vals = cute.make_rmem_tensor((WIRE_BLOCK,), cutlass.Float32)
+        words = cute.make_rmem_tensor((WIRE_BLOCK // 4,), cutlass.Uint32)
+        for row in cutlass.range(bid, meta[META_NUM_ROWS], nblk):
+            for c in cutlass.range(tid, hidden // vec, nthr):
+                cute.autovec_copy(cute.local_tile(a_buf, (1, vec), (row, c)), cute.local_tile(s_row, (vec,), (c,)))
+            cute.arch.sync_threads()
+            for g in cutlass.range(tid, hidden // WIRE_BLOCK, nthr):
+                cute.autovec_copy(cute.local_tile(s_row, (WIRE_BLOCK,), (g,)), frag)
+                vals.store(frag.load().to(cutlass.Float32))
+                v = [vals[i] for i in range(WIRE_BLOCK)]
+                sbyte, codes = bq.mxfp8_codes(v, bq.block_amax(v))
+                for i in cutlass.range_constexpr(WIRE_BLOCK // 4):
+                    words[i] = codes[i]
+                cute.autovec_copy(words, cute.local_tile(a_words, (1, WIRE_BLOCK // 4), (row, g)))
+                a_bytes[row, hidden + g] = cutlass.Uint8(sbyte)
+            cute.arch.sync_threads()  # the row's reads are done before the next row is staged
+
+
+@cute.kernel
 def ep_done_and_wait_kernel(
     flags: cute.Tensor,  # (NUM_FLAG_KINDS, R) int32 symmetric (own)
     flags_tab: cute.Tensor,  # (R,) int64
@@ -629,8 +684,10 @@ def ep_combine_kernel(
     world: cutlass.Constexpr[int],
     local_experts: cutlass.Constexpr[int],
     top_k: cutlass.Constexpr[int],
+    wire: cutlass.Constexpr[str],
 ):
-    """out[t] = bf16(sum_k w[t,k] * float(y_owner[row])), k in order, fp32, no atomics."""
+    """out[t] = bf16(sum_k w[t,k] * float(y_owner[row])), k in order, fp32, no atomics; with the
+    mxfp8 wire y is read as codes and scales (kernel 8b) and dequantized exactly first."""
     vec = constants.BF16_PER_16B
     hidden = out.shape[1]
     tid, _, _ = cute.arch.thread_idx()
@@ -654,16 +711,45 @@ def ep_combine_kernel(
                 row = _load_sys(rb + (rank * local_experts + le)) + pair_pos[t * top_k + k]
                 addr[k] = y_tab[d] + cutlass.Int64(row) * (hidden * 2)
                 wts[k] = topk_weights[t, k]
-            for c in cutlass.range(lane, hidden // vec, 32):
-                acc = cute.make_rmem_tensor((vec,), cutlass.Float32)
-                acc.fill(0.0)
-                for k in cutlass.range_constexpr(top_k):
-                    src = cute.make_tensor(
-                        cute.make_ptr(out.element_type, addr[k] + cutlass.Int64(c) * (vec * 2),
-                                      cute.AddressSpace.gmem, assumed_align=16),
-                        cute.make_layout(vec),
-                    )  # fmt: skip
-                    cute.autovec_copy(src, frag_in)
-                    acc.store(acc.load() + wts[k] * frag_in.load().to(cutlass.Float32))
-                frag_out.store(acc.load().to(out.element_type))
-                cute.autovec_copy(frag_out, cute.local_tile(out, (1, vec), (t, c)))
+            if cutlass.const_expr(wire == WIRE_MXFP8):
+                _combine_mxfp8_row(out, t, lane, addr, wts, top_k)
+            else:
+                for c in cutlass.range(lane, hidden // vec, 32):
+                    acc = cute.make_rmem_tensor((vec,), cutlass.Float32)
+                    acc.fill(0.0)
+                    for k in cutlass.range_constexpr(top_k):
+                        src = cute.make_tensor(
+                            cute.make_ptr(out.element_type, addr[k] + cutlass.Int64(c) * (vec * 2),
+                                          cute.AddressSpace.gmem, assumed_align=16),
+                            cute.make_layout(vec),
+                        )  # fmt: skip
+                        cute.autovec_copy(src, frag_in)
+                        acc.store(acc.load() + wts[k] * frag_in.load().to(cutlass.Float32))
+                    frag_out.store(acc.load().to(out.element_type))
+                    cute.autovec_copy(frag_out, cute.local_tile(out, (1, vec), (t, c)))
+
+
+@cute.jit
+def _combine_mxfp8_row(out: cute.Tensor, t, lane, addr: cute.Tensor, wts: cute.Tensor, top_k: cutlass.Constexpr[int]):
+    """One token's output row from the owners' mxfp8 wire rows (``addr[k]``: the byte address of pair
+    k's row): 16 codes per lane step and their block's scale byte, dequantized exactly in fp32."""
+    hidden = out.shape[1]
+    codes = cute.make_rmem_tensor((WIRE_LANE,), cutlass.Uint8)
+    frag = cute.make_rmem_tensor((WIRE_LANE,), out.element_type)
+    for c in cutlass.range(lane, hidden // WIRE_LANE, 32):
+        acc = cute.make_rmem_tensor((WIRE_LANE,), cutlass.Float32)
+        acc.fill(0.0)
+        for k in cutlass.range_constexpr(top_k):
+            src = cute.make_tensor(
+                cute.make_ptr(cutlass.Uint8, addr[k] + cutlass.Int64(c) * WIRE_LANE, cute.AddressSpace.gmem,
+                              assumed_align=16),
+                cute.make_layout(WIRE_LANE),
+            )  # fmt: skip
+            cute.autovec_copy(src, codes)
+            sptr = cute.make_ptr(cutlass.Uint8, addr[k] + hidden + c // (WIRE_BLOCK // WIRE_LANE),
+                                 cute.AddressSpace.gmem, assumed_align=1)  # fmt: skip
+            scale = bq.ue8m0_to_f32(cutlass.Uint32(cute.make_tensor(sptr, cute.make_layout(1))[0]))
+            for i in cutlass.range_constexpr(WIRE_LANE):
+                acc[i] = acc[i] + wts[k] * (bq.e4m3_to_f32(cutlass.Uint32(codes[i])) * scale)
+        frag.store(acc.load().to(out.element_type))
+        cute.autovec_copy(frag, cute.local_tile(out, (1, WIRE_LANE), (t, c)))

@@ -12,7 +12,7 @@ the world-size-1 quantized kernel (``kernel.Sm90MegaMoEQuantKernel``):
  4-6  dispatch               as BF16 (pull reads ``x_sym``; push writes the rows of ``x_sym``)
  7/8  FC1 / FC2              ``DequantGroupedGemmSm90`` or, with ``swap_ab``, ``SwapDequantGemmSm90``
                              on the owner's rows: FC1 requantizes its output to the FC2 input format
- 9-11 combine                as BF16: y in bf16 from the owners, weighted top-k sum in order
+ 9-11 combine                as BF16: y from the owners (bf16 or the mxfp8 wire), weighted top-k sum
 ====  =====================  =======================================================================
 
 So the dispatch moves BF16 rows whose values are exactly the quantized activations (2 bytes per
@@ -34,7 +34,7 @@ from .swap_gemm import SwapDequantGemmSm90
 class Sm90MegaMoEQuantEpKernel(EpProtocol):
     """Compile-time knobs: those of ``Sm90MegaMoEQuantKernel`` (fmt, activation, limit, tile_m,
     fc1/fc2_tile_n, num_sms, fc1/fc2_stages, use_pdl (GEMMs only), swap_ab, swap_wg, prequantized)
-    and of ``EpProtocol`` (world_size, ranks_per_gpu, dispatch). Every grid has ``num_sms //
+    and of ``EpProtocol`` (world_size, ranks_per_gpu, dispatch, combine_dtype). Every grid has ``num_sms //
     ranks_per_gpu`` CTAs, the GEMMs' included."""
 
     def __init__(
@@ -55,8 +55,9 @@ class Sm90MegaMoEQuantEpKernel(EpProtocol):
         world_size: int = 1,
         ranks_per_gpu: int = 1,
         dispatch: str = "pull",
+        combine_dtype: str = "bf16",
     ) -> None:
-        super().__init__(activation, tile_m, num_sms, world_size, ranks_per_gpu, 1, dispatch, use_pdl)
+        super().__init__(activation, tile_m, num_sms, world_size, ranks_per_gpu, 1, dispatch, use_pdl, combine_dtype)
         if fmt not in constants.QUANT_FORMATS:
             raise ValueError(f"unknown format {fmt!r}")
         if swap_ab and tile_m not in constants.SWAP_TOKEN_TILES:
@@ -139,4 +140,4 @@ class Sm90MegaMoEQuantEpKernel(EpProtocol):
         self.fc1.launch(a_buf, w13, w13_scale, h_buf, m_block_expert, meta, w13_gscale, act_gscale, stream, pdl)
         self.fc2.launch(h_buf, w2, w2_scale, a_buf, m_block_expert, meta, w2_gscale, act_gscale, stream, pdl)
         self.combine(topk_ids, topk_weights, live_tokens, pair_pos, flags, flags_tab, row_base_tab, y_tab, out,
-                     ep_state, abort, rank, timeout_ns, local_experts, stream)  # fmt: skip
+                     a_buf, meta, ep_state, abort, rank, timeout_ns, local_experts, stream)  # fmt: skip

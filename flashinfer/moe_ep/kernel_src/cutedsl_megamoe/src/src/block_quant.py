@@ -226,18 +226,48 @@ def _e4m3_roundtrip_pair(a: Float32, b: Float32, mul: Float32, scale: Float32) -
     )
 
 
-def mxfp8_qdq(vals: list, amax: Float32) -> list:
-    """MXFP8 quantize-dequantize of one 32-element block (``amax`` = max |v| over it): the scale byte
-    is ``max(exponent(amax) - 8, 0)`` (``floor(log2 amax) - 8`` biased, clamped at 2**-127), elements
-    ``RNE_e4m3(v * 2**-X)`` saturating; returns ``q * 2**X`` (exact in BF16)."""
+def _mxfp8_scale(amax: Float32) -> tuple[Uint32, Float32]:
+    """The UE8M0 scale byte of a block with max |v| = ``amax``, ``max(exponent(amax) - 8, 0)``
+    (``floor(log2 amax) - 8`` biased, clamped at 2**-127), and ``2**-X``, its inverse (a normal fp32
+    for every X)."""
     e = (f32_bits(amax) >> 23) & Uint32(0xFF)
     sbyte = _sel(e > Uint32(8), e - Uint32(8), Uint32(0), Uint32)
-    inv = f32_from_bits((Uint32(254) - sbyte) << 23)  # 2**-X, a normal fp32 for every X
+    return sbyte, f32_from_bits((Uint32(254) - sbyte) << 23)
+
+
+def mxfp8_qdq(vals: list, amax: Float32) -> list:
+    """MXFP8 quantize-dequantize of one 32-element block (``amax`` = max |v| over it): the scale byte
+    of ``_mxfp8_scale``, elements ``RNE_e4m3(v * 2**-X)`` saturating; returns ``q * 2**X`` (exact in
+    BF16)."""
+    sbyte, inv = _mxfp8_scale(amax)
     scale = ue8m0_to_f32(sbyte)
     out = []
     for i in range(0, len(vals), 2):
         out.extend(_e4m3_roundtrip_pair(vals[i], vals[i + 1], inv, scale))
     return out
+
+
+def _e4m3x4_codes(a: Float32, b: Float32, c: Float32, d: Float32, mul: Float32) -> Uint32:
+    """``RNE_e4m3_saturating(v * mul)`` of four values as one word, the first value in the low byte
+    (``cvt.rn.satfinite.e4m3x2.f32 q, hi, lo`` puts ``lo`` in the low byte): memory order."""
+    return cute.arch.inline_ptx(
+        "{ .reg .f32 x0, x1, x2, x3; .reg .b16 lo, hi;\n"
+        "mul.rn.f32 x0, {$r0}, {$r4}; mul.rn.f32 x1, {$r1}, {$r4};\n"
+        "mul.rn.f32 x2, {$r2}, {$r4}; mul.rn.f32 x3, {$r3}, {$r4};\n"
+        "cvt.rn.satfinite.e4m3x2.f32 lo, x1, x0;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 hi, x3, x2;\n"
+        "mov.b32 {$w0}, {lo, hi}; }",
+        write_only_types=[Uint32],
+        read_only_args=[a, b, c, d, mul],
+    )
+
+
+def mxfp8_codes(vals: list, amax: Float32) -> tuple[Uint32, list]:
+    """MXFP8 quantization of one 32-element block (the rule of ``mxfp8_qdq``): its scale byte and its
+    E4M3 codes as 8 words, element 4i + j in byte j of word i."""
+    sbyte, inv = _mxfp8_scale(amax)
+    words = [_e4m3x4_codes(vals[i], vals[i + 1], vals[i + 2], vals[i + 3], inv) for i in range(0, len(vals), 4)]
+    return sbyte, words
 
 
 def div_rn(a: Float32, b: Float32) -> Float32:
@@ -316,6 +346,7 @@ __all__ = [
     "ld_shared_u8",
     "ld_shared_v4",
     "ldmatrix_x4",
+    "mxfp8_codes",
     "mxfp8_qdq",
     "nvfp4_qdq",
     "quad_amax",
