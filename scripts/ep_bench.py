@@ -4,22 +4,24 @@
     NVSHMEM_SYMMETRIC_SIZE=10G torchrun --nproc_per_node=N scripts/ep_bench.py \\
         --contract deepseek-v3 qwen3-235b-a22b --tokens 8 128 2048 8192
 
-Per contract and tokens per rank, on the same inputs: the SM90 BF16 layer at world size N (in-kernel
-dispatch and combine over NVSHMEM) and ``core.baselines.split_ep_moe`` (``all_to_all_single`` dispatch,
+Per contract and tokens per rank, on the same inputs: the SM90 layer of ``--format`` (BF16, or MXFP8 /
+NVFP4 with the BF16 weights quantized at preprocessing) at world size N (in-kernel dispatch and
+combine over NVSHMEM; ``--combine-dtype mxfp8`` for the MXFP8 combine wire) and
+``core.baselines.split_ep_moe`` (``all_to_all_single`` dispatch,
 ``torch._grouped_mm`` experts, ``all_to_all_single`` combine: what an engine builds without us). Each
 timed launch starts after a barrier; a launch's time is the slowest rank's (CUDA events, all-reduce
 MAX), the figure is the median over rotating input sets. The mega output is checked against the
-baseline's on every rank (mean relative error). Kernels must be prebuilt (``scripts/gpu_session.py
-build`` does it for the bench contracts at world 2, 4 and 8). The symmetric heap grows with ranks and
-tokens (docs/ep.md: deepseek-v3 at 8 ranks x 8192 tokens needs ~7.7 GB per rank; a too-small heap
-raises an error naming the size to set). Without CUDA the ranks run on the CPU
-over gloo with the reference backend: a smoke test of this harness, not a measurement.
+baseline's on every rank (mean relative error; with a quantized format or wire that is the
+quantization error, e.g. ~14 % mean elementwise for MXFP8, TUNING.md). Kernels must be prebuilt
+(``scripts/gpu_session.py build`` does it for the bench contracts at world 2, 4 and 8). The symmetric
+heap grows with ranks and tokens (docs/ep.md: deepseek-v3 at 8 ranks x 8192 tokens needs ~7.7 GB
+per rank; a too-small heap raises an error naming the size to set). Without CUDA the ranks run on the
+CPU over gloo with the reference backend: a smoke test of this harness, not a measurement.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import statistics
 import sys
@@ -29,7 +31,23 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 BENCH_CONTRACTS = ("deepseek-v3", "qwen3-235b-a22b")
+FORMATS = ("bf16", "mxfp8", "nvfp4")
 MAX_TOKENS = 8192  # the largest tokens per rank the prebuilt kernels serve (every token bucket up to it)
+
+
+def ep_config(contract, fmt: str, knobs, combine_dtype: str = "bf16"):
+    """The SM90 mega config of ``contract`` in weight format ``fmt`` (what the bench times and
+    ``gpu_session.py build`` prebuilds; NVFP4 with unit static activation global scales)."""
+    import flashinfer.moe_ep as moe
+
+    cls = {
+        "bf16": moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig,
+        "mxfp8": moe.Sm90_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig,
+        "nvfp4": moe.Sm90_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig,
+    }[fmt]
+    c = contract
+    return cls(c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit,
+               knobs=knobs, combine_dtype=combine_dtype)  # fmt: skip
 
 
 def main() -> int:
@@ -44,7 +62,11 @@ def main() -> int:
                         "tile_m=128,fc1_tile_n=256,fc2_tile_n=128,cluster_m=2")  # fmt: skip
     p.add_argument("--profile", type=int, nargs="*", default=[], help="tokens per rank to list kernel times at")
     p.add_argument("--knob-cache", default=None, help="the knob cache file that 'auto' writes (default: off)")
+    p.add_argument("--format", default="bf16", choices=list(FORMATS), help="the mega layer's weight format")
+    p.add_argument("--combine-dtype", default="bf16", choices=["bf16", "mxfp8"], help="the EP combine wire")
     a = p.parse_args()
+    if a.format != "bf16" and any(k not in ("default",) and not k.startswith("dispatch=") for k in a.knobs):
+        p.error("the MXFP8 / NVFP4 layers take --knobs default or dispatch=pull|push")
     os.environ["FLASHINFER_MOE_EP_KNOB_CACHE"] = a.knob_cache or "off"
 
     import torch
@@ -112,14 +134,12 @@ def main() -> int:
         w13, w2 = make_expert_weights(e_local, c.hidden_size, c.intermediate_size, c.activation, generator=wgen,
                                       device=dev)  # fmt: skip
         if gpu:
-            config = moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
-                c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit
-            )
-            config = dataclasses.replace(config, knobs=knobs_of(spec))
+            config = ep_config(c, a.format, knobs_of(spec), a.combine_dtype)
         else:
             config = moe.ReferenceMegaMoeConfig(
-                c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit
-            )
+                c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit,
+                weight_format=a.format, combine_dtype=a.combine_dtype,
+            )  # fmt: skip
         layer = moe.MoEEpLayer(
             moe.BootstrapConfig(world_size=world, rank=rank, device=dev, process_group=group),
             moe.FleetParams(c.num_experts, max(a.tokens), c.hidden_size),
@@ -134,9 +154,13 @@ def main() -> int:
         if gpu and rank == 0:
             from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
 
-            tiles = {b: drop.ep_knob_dict(fe.knobs) for b, fe in layer._backend.by_bucket.items()}
+            be = layer._backend
+            if a.format == "bf16":
+                tiles = {b: drop.ep_knob_dict(fe.knobs) for b, fe in be.by_bucket.items()}
+            else:
+                tiles = {b: f"tile_m={fe.knobs.tile_m} swap_ab={fe.knobs.swap_ab}" for b, fe in be.frontends.items()}
             print(f"{name} knobs {spec}: {tiles}", flush=True)
-            for bucket, result in layer._backend.tune_results.items():  # knobs "auto": every candidate's time
+            for bucket, result in getattr(be, "tune_results", {}).items():  # knobs "auto": every candidate's time
                 ranked = sorted(result.table, key=lambda r: r.ms)
                 tiles_ms = (
                     "/".join(map(str, drop.ep_knob_dict(r.candidate).values())) + f" {r.ms:.3f}" for r in ranked
@@ -181,7 +205,7 @@ def main() -> int:
             torch.cuda.empty_cache()
     if rank == 0:
         kind = torch.cuda.get_device_name() if gpu else "CPU (gloo, reference backend: a harness smoke test)"
-        print(f"\nEP bench, world {world}, {kind}; backend {type(config).__name__}")
+        print(f"\nEP bench, world {world}, {kind}; backend {type(config).__name__}, wire {a.combine_dtype}")
         short = {"tile_m=": "m", ",fc1_tile_n=": "/", ",fc2_tile_n=": "/", ",cluster_m=": "c", ",dispatch=": " "}
         head = ("contract", "knobs", "T/rank", "mega ms", "split ms", "x split", "TFLOP/s", "err")
         print(f"{head[0]:<16} {head[1]:<18} " + " ".join(f"{h:>9}" for h in head[2:]))

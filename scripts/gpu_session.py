@@ -225,6 +225,18 @@ def build_ep(cache: Path, worlds: tuple[int, ...]) -> None:
         for world in sorted(set(EP_TUNE_WORLDS) & set(worlds)):  # ep_bench.py --knobs auto / explicit tiles
             n = build_candidates(geometry, world, 1, EP_BENCH_MAX_TOKENS)
             print(f"EP bench {name}, world {world}: {n} autotune candidates", flush=True)
+    # scripts/ep_bench.py --format mxfp8 / nvfp4: every token bucket's quantized EP kernel (pull)
+    from flashinfer.moe_ep.backends.mega.kernel.sm90.block_scaled import EpPlacement
+    from flashinfer.moe_ep.backends.mega.kernel.sm90.block_scaled import bucket_frontends as quant_buckets
+    from scripts.ep_bench import ep_config
+
+    for name in EP_BENCH_CONTRACTS:
+        c = get_contract(name)
+        for fmt in ("mxfp8", "nvfp4"):
+            for world in worlds:
+                fronts = quant_buckets(ep_config(c, fmt, None), c.num_experts // world, EpPlacement(world))
+                libs = [fe.build(cache).name for fe in dict.fromkeys(fronts.values())]
+                print(f"EP bench {name} {fmt}, world {world}: {', '.join(libs)}", flush=True)
 
 
 def build_quant_ep(cache: Path) -> None:
@@ -293,6 +305,9 @@ def multigpu(
     if bench_tokens:
         bench = [*torchrun, "scripts/ep_bench.py", "--tokens", *bench_tokens, "--knobs", *knobs, "--profile", *profile]
         steps.append(("EP bench", bench, 300))
+        for fmt in ("mxfp8", "nvfp4"):  # the quantized EP layers, default knobs
+            steps.append((f"EP bench {fmt}", [*torchrun, "scripts/ep_bench.py", "--tokens", *bench_tokens,
+                                              "--format", fmt], 300))  # fmt: skip
     status = 0
     for label, cmd, deadline in steps:
         t0 = time.perf_counter()
