@@ -99,22 +99,28 @@ class QuantFrontend(KernelFrontend):
             if n not in (64, 128, 256):
                 raise ValueError(f"N tiles must be 64, 128 or 256, got {n}")
 
-    def _export(self, out_dir: Path, function_name: str) -> Path:
+    def kernel_kwargs(self) -> dict[str, Any]:
+        """The constructor keywords of the drop's block-scaled kernels that this frontend fixes (the
+        world-size-1 and the EP kernel share them)."""
         g, k = self.geometry, self.knobs
-        kernel = kh.Sm90MegaMoEQuantKernel(
-            fmt=self.fmt,
-            activation=g.activation,
-            limit=g.activation_limit,
-            tile_m=k.tile_m,
-            fc1_tile_n=k.fc1_tile_n,
-            fc2_tile_n=k.fc2_tile_n,
-            num_sms=k.num_sms,
-            fc1_stages=k.fc1_stages,
-            fc2_stages=k.fc2_stages,
-            swap_ab=k.swap_ab,
-            swap_wg=k.swap_wg,
-            prequantized=self.prequantized,
-        )
+        return {
+            "fmt": self.fmt,
+            "activation": g.activation,
+            "limit": g.activation_limit,
+            "tile_m": k.tile_m,
+            "fc1_tile_n": k.fc1_tile_n,
+            "fc2_tile_n": k.fc2_tile_n,
+            "num_sms": k.num_sms,
+            "fc1_stages": k.fc1_stages,
+            "fc2_stages": k.fc2_stages,
+            "swap_ab": k.swap_ab,
+            "swap_wg": k.swap_wg,
+            "prequantized": self.prequantized,
+        }
+
+    def _export(self, out_dir: Path, function_name: str) -> Path:
+        g = self.geometry
+        kernel = kh.Sm90MegaMoEQuantKernel(**self.kernel_kwargs())
         return kh.export_moe_quant(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)
 
     def workspace_spec(self, max_tokens: int) -> list[Any]:

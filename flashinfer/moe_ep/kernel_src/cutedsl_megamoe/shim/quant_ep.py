@@ -49,24 +49,8 @@ class QuantEpFrontend(EpFrontendMixin, QuantFrontend):
 
     def _export(self, out_dir: Path, function_name: str) -> Path:
         g, k = self.geometry, self.knobs
-        kernel = kh.Sm90MegaMoEQuantEpKernel(
-            fmt=self.fmt,
-            activation=g.activation,
-            limit=g.activation_limit,
-            tile_m=k.tile_m,
-            fc1_tile_n=k.fc1_tile_n,
-            fc2_tile_n=k.fc2_tile_n,
-            num_sms=k.num_sms,
-            fc1_stages=k.fc1_stages,
-            fc2_stages=k.fc2_stages,
-            swap_ab=k.swap_ab,
-            swap_wg=k.swap_wg,
-            prequantized=self.prequantized,
-            world_size=k.world_size,
-            ranks_per_gpu=k.ranks_per_gpu,
-            dispatch=k.dispatch,
-            combine_dtype=g.combine_dtype,
-        )
+        ep = {"world_size": k.world_size, "ranks_per_gpu": k.ranks_per_gpu, "dispatch": k.dispatch}
+        kernel = kh.Sm90MegaMoEQuantEpKernel(**self.kernel_kwargs(), **ep, combine_dtype=g.combine_dtype)
         return kh.export_moe_quant_ep(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)
 
     @staticmethod

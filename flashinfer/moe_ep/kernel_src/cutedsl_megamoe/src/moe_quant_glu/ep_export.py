@@ -23,7 +23,7 @@ from ..common import constants
 from ..moe_bf16_glu.ep_export import ep_protocol_fake_arguments, fake_matrix
 from ..moe_bf16_glu.export import link_library
 from .ep_kernel import Sm90MegaMoEQuantEpKernel
-from .export import check_problem
+from .export import check_problem, operand_fake_arguments
 
 
 def check_quant_ep_problem(
@@ -40,32 +40,10 @@ def check_quant_ep_problem(
 def quant_ep_fake_arguments(
     kernel: Sm90MegaMoEQuantEpKernel, hidden: int, inter: int, num_experts: int, top_k: int
 ) -> list[Any]:
-    bf16, i32, f32, u8 = cutlass.BFloat16, cutlass.Int32, cutlass.Float32, cutlass.Uint8
-    e_loc = num_experts // kernel.world_size
-    n1 = 2 * inter if kernel.activation in constants.GATED_ACTIVATIONS else inter
-    d = constants.QUANT_DATA_BYTES[kernel.fmt]
-    spt = constants.QUANT_SCALES_PER_TILE[kernel.fmt]
-    tk = constants.TILE_K
     t = cute.sym_int()
-    mat = fake_matrix
-    if kernel.prequantized:
-        x = mat(u8, (t, hidden if kernel.fmt == constants.FMT_MXFP8 else hidden // 2))
-        x_scale = mat(u8, (t, hidden // constants.QUANT_BLOCK[kernel.fmt]))
-    else:
-        x, x_scale = mat(bf16, (t, hidden)), mat(u8, (1,))
     return [
-        x,
-        x_scale,
-        mat(i32, (t, top_k)),  # topk_ids
-        mat(f32, (t, top_k)),  # topk_weights
-        mat(u8, (e_loc, hidden // tk, n1, d)),  # w13 data
-        mat(u8, (e_loc, hidden // tk, n1, spt)),  # w13 scale bytes
-        mat(u8, (e_loc, inter // tk, hidden, d)),  # w2 data
-        mat(u8, (e_loc, inter // tk, hidden, spt)),  # w2 scale bytes
-        mat(f32, (e_loc,)),  # w13_gscale
-        mat(f32, (e_loc,)),  # w2_gscale
-        mat(f32, (2,)),  # act_gscale
-        mat(bf16, (t, hidden)),  # out
+        *operand_fake_arguments(kernel, hidden, inter, num_experts // kernel.world_size, top_k, t),
+        fake_matrix(cutlass.BFloat16, (t, hidden)),  # out
         *ep_protocol_fake_arguments(kernel, hidden, inter, num_experts),
     ]
 

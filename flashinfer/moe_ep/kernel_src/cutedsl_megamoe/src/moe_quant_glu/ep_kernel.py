@@ -27,8 +27,7 @@ import cutlass.cute as cute
 from ..common import constants
 from ..moe_bf16_glu.ep_kernel import EpProtocol
 from .aux_kernels import quant_rows_kernel
-from .dequant_gemm import DequantGroupedGemmSm90
-from .swap_gemm import SwapDequantGemmSm90
+from .kernel import quant_gemms
 
 
 class Sm90MegaMoEQuantEpKernel(EpProtocol):
@@ -68,15 +67,9 @@ class Sm90MegaMoEQuantEpKernel(EpProtocol):
         self.limit = limit
         self.swap_ab = swap_ab
         self.prequantized = prequantized
-        g = self.grid
-        if swap_ab:
-            self.fc1 = SwapDequantGemmSm90(fmt, tile_m, activation, limit, g, fc1_stages, requant=True, max_wg=swap_wg)
-            self.fc2 = SwapDequantGemmSm90(fmt, tile_m, "plain", None, g, fc2_stages, gscale_index=1, max_wg=swap_wg)
-        else:
-            self.fc1 = DequantGroupedGemmSm90(
-                fmt, tile_m, fc1_tile_n, activation, limit, g, fc1_stages, requant=True, gscale_index=0
-            )
-            self.fc2 = DequantGroupedGemmSm90(fmt, tile_m, fc2_tile_n, "plain", None, g, fc2_stages, gscale_index=1)
+        self.fc1, self.fc2 = quant_gemms(
+            fmt, tile_m, fc1_tile_n, fc2_tile_n, activation, limit, self.grid, fc1_stages, fc2_stages, swap_ab, swap_wg
+        )
 
     @cute.jit
     def __call__(

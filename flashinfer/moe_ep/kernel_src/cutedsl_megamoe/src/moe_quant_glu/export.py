@@ -42,36 +42,13 @@ def check_problem(kernel: Sm90MegaMoEQuantKernel, hidden: int, inter: int, num_e
 
 
 def fake_arguments(kernel: Sm90MegaMoEQuantKernel, hidden: int, inter: int, num_experts: int, top_k: int) -> list[Any]:
-    bf16, i32, f32, u8 = cutlass.BFloat16, cutlass.Int32, cutlass.Float32, cutlass.Uint8
-    n1 = 2 * inter if kernel.activation in constants.GATED_ACTIVATIONS else inter
-    d = constants.QUANT_DATA_BYTES[kernel.fmt]
-    spt = constants.QUANT_SCALES_PER_TILE[kernel.fmt]
-    tk = constants.TILE_K
+    bf16, i32 = cutlass.BFloat16, cutlass.Int32
     t = cute.sym_int()
     m_cap = cute.sym_int()
-
-    def mat(dtype: Any, shape: tuple) -> Any:
-        order = tuple(range(len(shape) - 1, -1, -1))
-        return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=16)
-
-    if kernel.prequantized:
-        x = mat(u8, (t, hidden if kernel.fmt == constants.FMT_MXFP8 else hidden // 2))
-        x_scale = mat(u8, (t, hidden // constants.QUANT_BLOCK[kernel.fmt]))
-    else:
-        x, x_scale = mat(bf16, (t, hidden)), mat(u8, (1,))
+    mat = _matrix
     return [
-        x,
-        x_scale,
-        mat(i32, (t, top_k)),
-        mat(f32, (t, top_k)),
-        mat(u8, (num_experts, hidden // tk, n1, d)),
-        mat(u8, (num_experts, hidden // tk, n1, spt)),
-        mat(u8, (num_experts, inter // tk, hidden, d)),
-        mat(u8, (num_experts, inter // tk, hidden, spt)),
-        mat(f32, (num_experts,)),
-        mat(f32, (num_experts,)),
-        mat(f32, (2,)),
-        mat(bf16, (t, hidden)),
+        *operand_fake_arguments(kernel, hidden, inter, num_experts, top_k, t),
+        mat(bf16, (t, hidden)),  # out
         mat(i32, (cute.sym_int(),)),
         mat(i32, (cute.sym_int(),)),
         mat(i32, (num_experts + 1,)),
@@ -82,6 +59,41 @@ def fake_arguments(kernel: Sm90MegaMoEQuantKernel, hidden: int, inter: int, num_
         mat(bf16, (m_cap, hidden)),
         mat(bf16, (cute.sym_int(), inter)),
         make_fake_stream(use_tvm_ffi_env_stream=True),
+    ]
+
+
+def _matrix(dtype: Any, shape: tuple) -> Any:
+    order = tuple(range(len(shape) - 1, -1, -1))
+    return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=16)
+
+
+def operand_fake_arguments(kernel: Any, hidden: int, inter: int, experts: int, top_k: int, t: Any) -> list[Any]:
+    """The block-scaled kernels' arguments before ``out`` (world size 1 and EP): ``x`` (bf16, or codes),
+    ``x_scale``, ``topk_ids``, ``topk_weights``, the packed weights of ``experts`` experts with their
+    scales and global scales, ``act_gscale``; ``t``: the symbolic token count."""
+    bf16, i32, f32, u8 = cutlass.BFloat16, cutlass.Int32, cutlass.Float32, cutlass.Uint8
+    n1 = 2 * inter if kernel.activation in constants.GATED_ACTIVATIONS else inter
+    d = constants.QUANT_DATA_BYTES[kernel.fmt]
+    spt = constants.QUANT_SCALES_PER_TILE[kernel.fmt]
+    tk = constants.TILE_K
+    mat = _matrix
+    if kernel.prequantized:
+        x = mat(u8, (t, hidden if kernel.fmt == constants.FMT_MXFP8 else hidden // 2))
+        x_scale = mat(u8, (t, hidden // constants.QUANT_BLOCK[kernel.fmt]))
+    else:
+        x, x_scale = mat(bf16, (t, hidden)), mat(u8, (1,))
+    return [
+        x,
+        x_scale,
+        mat(i32, (t, top_k)),  # topk_ids
+        mat(f32, (t, top_k)),  # topk_weights
+        mat(u8, (experts, hidden // tk, n1, d)),  # w13 data
+        mat(u8, (experts, hidden // tk, n1, spt)),  # w13 scale bytes
+        mat(u8, (experts, inter // tk, hidden, d)),  # w2 data
+        mat(u8, (experts, inter // tk, hidden, spt)),  # w2 scale bytes
+        mat(f32, (experts,)),  # w13_gscale
+        mat(f32, (experts,)),  # w2_gscale
+        mat(f32, (2,)),  # act_gscale
     ]
 
 

@@ -83,39 +83,10 @@ class Sm90MegaMoEQuantKernel:
         self.aux_grid = num_sms * 8
         self.use_pdl = use_pdl
         self.aux_vpt = aux_vpt
-        if swap_ab:
-            self.fc1 = SwapDequantGemmSm90(
-                fmt, tile_m, activation, limit, num_sms, fc1_stages, requant=True, max_wg=swap_wg
-            )
-            self.fc2 = SwapDequantGemmSm90(
-                fmt, tile_m, "plain", None, num_sms, fc2_stages, gscale_index=1, max_wg=swap_wg
-            )
-            return
-        self.fc1 = DequantGroupedGemmSm90(
-            fmt,
-            tile_m,
-            fc1_tile_n,
-            activation,
-            limit,
-            num_sms,
-            fc1_stages,
-            requant=True,
-            gscale_index=0,
-            probe=probe,
-            bf_buffers=bf_buffers,
-        )
-        self.fc2 = DequantGroupedGemmSm90(
-            fmt,
-            tile_m,
-            fc2_tile_n,
-            "plain",
-            None,
-            num_sms,
-            fc2_stages,
-            gscale_index=1,
-            probe=probe,
-            bf_buffers=bf_buffers,
-        )
+        self.fc1, self.fc2 = quant_gemms(
+            fmt, tile_m, fc1_tile_n, fc2_tile_n, activation, limit, num_sms, fc1_stages, fc2_stages, swap_ab, swap_wg,
+            probe, bf_buffers,
+        )  # fmt: skip
 
     @cute.jit
     def __call__(
@@ -172,3 +143,32 @@ class Sm90MegaMoEQuantKernel:
         aux_kernels.combine_kernel(a_buf, pair_row, topk_weights, out, topk_ids.shape[1], self.aux_vpt).launch(
             grid=[self.aux_grid, 1, 1], block=[self.aux_threads, 1, 1], stream=stream, use_pdl=pdl
         )
+
+
+def quant_gemms(
+    fmt: str,
+    tile_m: int,
+    fc1_tile_n: int,
+    fc2_tile_n: int,
+    activation: str,
+    limit: float | None,
+    grid: int,
+    fc1_stages: int | None,
+    fc2_stages: int | None,
+    swap_ab: bool,
+    swap_wg: int,
+    probe: int = 0,
+    bf_buffers: int = 3,
+) -> tuple:
+    """FC1 (the activation and the requantization to the FC2 input format in its epilogue) and FC2 of the
+    block-scaled kernels (world size 1 and EP): the swap-AB GEMMs (weights dequantized in registers,
+    ``tile_m`` tokens as N) or the shared-memory-dequantization ones (``tile_m``-row M tiles)."""
+    if swap_ab:
+        fc1 = SwapDequantGemmSm90(fmt, tile_m, activation, limit, grid, fc1_stages, requant=True, max_wg=swap_wg)
+        fc2 = SwapDequantGemmSm90(fmt, tile_m, "plain", None, grid, fc2_stages, gscale_index=1, max_wg=swap_wg)
+        return fc1, fc2
+    fc1 = DequantGroupedGemmSm90(fmt, tile_m, fc1_tile_n, activation, limit, grid, fc1_stages, requant=True,
+                                 gscale_index=0, probe=probe, bf_buffers=bf_buffers)  # fmt: skip
+    fc2 = DequantGroupedGemmSm90(fmt, tile_m, fc2_tile_n, "plain", None, grid, fc2_stages, gscale_index=1,
+                                 probe=probe, bf_buffers=bf_buffers)  # fmt: skip
+    return fc1, fc2
