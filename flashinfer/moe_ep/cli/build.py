@@ -36,6 +36,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--activation", default="swiglu", choices=ACTIVATIONS)
     p.add_argument("--activation-limit", type=float, default=None)
     p.add_argument("--world-size", type=int, default=1, help="EP ranks (experts per rank = E / world size)")
+    p.add_argument("--combine-dtype", default="bf16", choices=["bf16", "mxfp8"], help="the EP combine wire")
+    p.add_argument(
+        "--prequantized-input", action="store_true", help="block-scaled backends: activations given as codes and scales"
+    )
     p.add_argument("--knobs", default=None, help="JSON knobs, e.g. '{\"tile_m\": 64}' (default: the defaults)")
     p.add_argument("--cache", default=None, help="cache directory (default: $FLASHINFER_MOE_EP_KERNEL_CACHE)")
     p.add_argument(
@@ -59,14 +63,16 @@ def _configs(args: argparse.Namespace) -> list[tuple[str, Sm90_Bf16_Bf16_Bf16_Cu
             if c.num_experts % args.world_size:
                 raise MoEEpConfigError(f"{name}: {c.num_experts} experts do not split over {args.world_size} ranks")
             cfg = Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
-                c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit, knobs
-            )
+                c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit, knobs,
+                combine_dtype=args.combine_dtype,
+            )  # fmt: skip
             out.append((name, cfg, c.num_experts // args.world_size))
     elif args.hidden and args.intermediate and args.experts and args.top_k:
         e = args.experts * args.world_size
         cfg = Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
-            args.hidden, args.intermediate, e, args.top_k, args.activation, args.activation_limit, knobs
-        )
+            args.hidden, args.intermediate, e, args.top_k, args.activation, args.activation_limit, knobs,
+            combine_dtype=args.combine_dtype,
+        )  # fmt: skip
         out.append(("custom", cfg, args.experts))
     else:
         raise MoEEpConfigError("give --contract NAME [...] (or all), or --hidden --intermediate --experts --top-k")
@@ -82,7 +88,8 @@ def _block_scaled_jobs(args: argparse.Namespace) -> list[tuple[str, object]]:
     jobs = []
     for name, bf16_cfg, e_local in _configs(args):
         c = bf16_cfg
-        cfg = cls(c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit, c.knobs)
+        cfg = cls(c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit, c.knobs,
+                  prequantized_input=args.prequantized_input, combine_dtype=c.combine_dtype)  # fmt: skip
         ep = None
         if args.world_size > 1:
             ep = EpPlacement(args.world_size, 1, (c.knobs or {}).get("dispatch", "pull"))
@@ -111,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     root = Path(args.cache).expanduser() if args.cache else None
+    if args.prequantized_input and args.backend not in BLOCK_SCALED:
+        raise MoEEpConfigError("--prequantized-input applies to the block-scaled backends (--backend ...mxfp8/nvfp4)")
     if args.backend in BLOCK_SCALED:
         qjobs = _block_scaled_jobs(args)
         print(f"build: {len(qjobs)} kernel(s) for {args.arch} ({args.backend})")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +137,21 @@ class EpFrontendMixin:
     @property
     def local_experts(self) -> int:
         return self.geometry.num_experts // self.knobs.world_size
+
+    def build_world_size(self) -> int:
+        return self.knobs.world_size
+
+    def build_knobs(self) -> dict[str, Any]:
+        """The knobs a config sets (the placement, ``world_size`` and ``ranks_per_gpu``, comes from the
+        bootstrap, the grid from the device)."""
+        placement = ("world_size", "ranks_per_gpu", "num_sms")
+        return {k: v for k, v in asdict(self.knobs).items() if k not in placement}
+
+    def build_command(self) -> str:
+        cmd = super().build_command()  # type: ignore[misc]
+        if self.knobs.ranks_per_gpu > 1:  # loopback ranks: the build command serves one GPU per rank
+            cmd += "  (loopback ranks: build with scripts/gpu_session.py build --only ep, or let the layer compile)"
+        return cmd
 
     def check_ep(self) -> None:
         """The EP rules (ValueError): experts split evenly, at most one routing block of global experts,

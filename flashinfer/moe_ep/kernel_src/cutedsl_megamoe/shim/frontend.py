@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import functools
 import importlib.util
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -143,16 +144,32 @@ class KernelFrontend(abc.ABC):
     build_backend: ClassVar[str | None] = None
 
     def build_command(self) -> str:
+        """The ``build`` command that compiles this frontend's kernels (for the error of a cache miss)."""
         g = self.geometry
         backend = f"--backend {self.build_backend} " if self.build_backend else ""
+        world = self.build_world_size()
         cmd = (
             f"CUTE_DSL_ARCH={self.arch} python -m flashinfer.moe_ep build --arch {self.arch} {backend}"
-            f"--hidden {g.hidden} --intermediate {g.intermediate} --experts {g.num_experts} --top-k {g.top_k} "
-            f"--activation {g.activation}"
+            f"--hidden {g.hidden} --intermediate {g.intermediate} --experts {g.num_experts // world} "
+            f"--top-k {g.top_k} --activation {g.activation}"
         )
         if g.activation_limit is not None:
             cmd += f" --activation-limit {g.activation_limit}"
-        return cmd
+        if world > 1:
+            cmd += f" --world-size {world}"
+        if g.input_format != "bf16":
+            cmd += " --prequantized-input"
+        if g.combine_dtype != "bf16":
+            cmd += f" --combine-dtype {g.combine_dtype}"
+        return cmd + f" --knobs '{json.dumps(self.build_knobs(), sort_keys=True)}'"
+
+    def build_world_size(self) -> int:
+        """The ``build --world-size`` of this frontend's kernels (1: world size 1)."""
+        return 1
+
+    def build_knobs(self) -> dict[str, Any]:
+        """The ``build --knobs`` (a config's knobs) that give exactly this frontend's kernel."""
+        return asdict(self.knobs)
 
     def allocate_workspace(self, max_tokens: int, device: torch.device) -> dict[str, torch.Tensor]:
         return allocate_shared_workspace([self], max_tokens, device)[0]

@@ -401,3 +401,31 @@ def test_build_at_world_size_2_builds_the_ep_kernels(tmp_path: Path, monkeypatch
     assert all(k["knobs"]["world_size"] == 2 and k["knobs"]["ranks_per_gpu"] == 1 for k in keys)
     for fe in [*bucket_frontends(mx, 8, EpPlacement(2)).values()]:
         assert kernel_cache.lookup(fe.key, tmp_path) is not None
+
+
+@pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")
+def test_the_build_command_of_a_cache_miss_builds_that_kernel(tmp_path: Path, monkeypatch) -> None:
+    """The command a cache miss prints (``KernelFrontend.build_command``) builds exactly the missing
+    kernel: world size 1 (block-scaled and BF16), an EP kernel with pre-quantized inputs and the mxfp8
+    wire, a BF16 EP kernel of a bucket whose dispatch the layer pinned."""
+    import shlex
+
+    from flashinfer.moe_ep.backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl import ep_tuning, tuning
+
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setenv("FLASHINFER_MOE_EP_KNOB_CACHE", "off")
+    world1 = bucket_frontends(CONFIG["nvfp4"](256, 128, 16, 4), 16)["swap32"]
+    cfg = CONFIG["mxfp8"](256, 128, 16, 4, prequantized_input=True, combine_dtype="mxfp8", knobs={"dispatch": "push"})
+    ep = bucket_frontends(cfg, 8, EpPlacement(2, 1, "push"))["swap64"]
+    bf16_cfg = moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(256, 128, 16, 4)
+    g = tuning.make_geometry(bf16_cfg, 16)
+    buckets = ep_tuning.ep_buckets(2, 4096)
+    bf16 = ep_tuning.bucket_frontends(g, 2, 1, buckets, {b.name: {} for b in buckets})["decode"]
+    assert bf16.knobs.dispatch == "push"  # the prefill bucket's, pinned
+    bf16_world1 = tuning.layer_profiles(bf16_cfg, 16, 64, tuning.tune_context_named("x", 1)).primary
+    for fe in (world1, ep, bf16, bf16_world1):
+        cmd = fe.build_command()
+        assert kernel_cache.lookup(fe.key, tmp_path) is None
+        args = shlex.split(cmd.split("python -m flashinfer.moe_ep ", 1)[1])
+        assert cli_main([*args, "--cache", str(tmp_path)]) == 0, cmd
+        assert kernel_cache.lookup(fe.key, tmp_path) is not None, cmd
