@@ -206,12 +206,7 @@ class Bf16EpFrontend(EpFrontendMixin, Bf16Frontend):
     def _export(self, out_dir: Path, function_name: str) -> Path:
         g, k = self.geometry, self.knobs
         kernel = kh.Sm90MegaMoEBf16EpKernel(
-            activation=g.activation,
-            limit=g.activation_limit,
-            tile_m=k.tile_m,
-            fc1_tile_n=k.fc1_tile_n,
-            fc2_tile_n=k.fc2_tile_n,
-            num_sms=k.num_sms,
+            **self.glu_kwargs(),
             world_size=k.world_size,
             ranks_per_gpu=k.ranks_per_gpu,
             cluster_m=k.cluster_m,

@@ -29,24 +29,36 @@ BF16_KERNEL_CALL = (
     "stream",
 )  # fmt: skip
 
-QUANT_KERNEL_CALL = (
+#: the block-scaled kernels' arguments before ``out`` (world size 1 and EP)
+QUANT_OPERANDS = (
     "x", "x_scale", "topk_ids", "topk_weights",
     "w13", "w13_scale", "w2", "w2_scale", "w13_gscale", "w2_gscale", "act_gscale",
+)  # fmt: skip
+
+QUANT_KERNEL_CALL = (
+    *QUANT_OPERANDS,
     "out",
     "pair_row", "pair_rank", "expert_count", "cta_base", "expert_off", "m_block_expert", "meta", "a_buf", "h_buf",
     "stream",
 )  # fmt: skip
 
-QUANT_EP_KERNEL_CALL = (
-    "x", "x_scale", "topk_ids", "topk_weights",
-    "w13", "w13_scale", "w2", "w2_scale", "w13_gscale", "w2_gscale", "act_gscale",
-    "out", "live_tokens",
+#: what every EP kernel takes after ``out`` (``ep_workspace.EP_ARGS`` from ``live_tokens`` on)
+EP_STATE_CALL = (
+    "live_tokens",
     "flags", "x_sym", "send_list", "expert_cnt", "expert_start", "row_base", "a_buf",
     "flags_tab", "x_tab", "send_tab", "cnt_tab", "start_tab", "row_base_tab", "y_tab",
     "cta_cnt", "pair_pos", "src_meta", "m_block_expert", "meta", "h_buf", "ep_state",
     "abort", "rank", "timeout_ns",
-    "stream",
 )  # fmt: skip
+
+QUANT_EP_KERNEL_CALL = (*QUANT_OPERANDS, "out", *EP_STATE_CALL, "stream")
+
+#: constructor keywords the shim passes to both block-scaled kernels, and those the EP kernels add
+QUANT_KERNEL_INIT = (
+    "fmt", "activation", "limit", "tile_m", "fc1_tile_n", "fc2_tile_n", "num_sms", "fc1_stages", "fc2_stages",
+    "swap_ab", "swap_wg", "prequantized",
+)  # fmt: skip
+EP_KERNEL_INIT = ("world_size", "ranks_per_gpu", "dispatch", "combine_dtype")
 
 SRC_SYMBOLS: dict[str, SrcSymbol] = {
     # constants and host utilities (torch / stdlib only)
@@ -97,20 +109,7 @@ SRC_SYMBOLS: dict[str, SrcSymbol] = {
         "Sm90MegaMoEQuantKernel",
         True,
         ("shim/quant.py",),
-        init_params=(
-            "fmt",
-            "activation",
-            "limit",
-            "tile_m",
-            "fc1_tile_n",
-            "fc2_tile_n",
-            "num_sms",
-            "fc1_stages",
-            "fc2_stages",
-            "swap_ab",
-            "swap_wg",
-            "prequantized",
-        ),
+        init_params=QUANT_KERNEL_INIT,
         call_params=QUANT_KERNEL_CALL,
     ),
     "export_moe_quant": SrcSymbol("moe_quant_glu.export", "export_moe_quant", True, ("shim/quant.py",)),
@@ -130,11 +129,8 @@ SRC_SYMBOLS: dict[str, SrcSymbol] = {
             "fc1_tile_n",
             "fc2_tile_n",
             "num_sms",
-            "world_size",
-            "ranks_per_gpu",
             "cluster_m",
-            "dispatch",
-            "combine_dtype",
+            *EP_KERNEL_INIT,
         ),
     ),
     "export_moe_bf16_ep": SrcSymbol(
@@ -145,24 +141,7 @@ SRC_SYMBOLS: dict[str, SrcSymbol] = {
         "Sm90MegaMoEQuantEpKernel",
         True,
         ("shim/quant_ep.py",),
-        init_params=(
-            "fmt",
-            "activation",
-            "limit",
-            "tile_m",
-            "fc1_tile_n",
-            "fc2_tile_n",
-            "num_sms",
-            "fc1_stages",
-            "fc2_stages",
-            "swap_ab",
-            "swap_wg",
-            "prequantized",
-            "world_size",
-            "ranks_per_gpu",
-            "dispatch",
-            "combine_dtype",
-        ),
+        init_params=(*QUANT_KERNEL_INIT, *EP_KERNEL_INIT),
         call_params=QUANT_EP_KERNEL_CALL,
     ),
     "export_moe_quant_ep": SrcSymbol("moe_quant_glu.ep_export", "export_moe_quant_ep", True, ("shim/quant_ep.py",)),
@@ -184,4 +163,14 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *SRC_SYMBOLS])
 
 
-__all__ = ["BF16_KERNEL_CALL", "QUANT_EP_KERNEL_CALL", "QUANT_KERNEL_CALL", "SRC_SYMBOLS", "SrcSymbol"]
+__all__ = [
+    "BF16_KERNEL_CALL",
+    "EP_KERNEL_INIT",
+    "EP_STATE_CALL",
+    "QUANT_EP_KERNEL_CALL",
+    "QUANT_KERNEL_CALL",
+    "QUANT_KERNEL_INIT",
+    "QUANT_OPERANDS",
+    "SRC_SYMBOLS",
+    "SrcSymbol",
+]

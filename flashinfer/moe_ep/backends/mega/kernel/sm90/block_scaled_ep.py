@@ -25,7 +25,6 @@ from typing import Any, ClassVar
 import torch
 
 from .....config import MoEEpTensors
-from .....errors import MoEEpConfigError
 from .block_scaled import (
     BUCKETS,
     EpPlacement,
@@ -35,9 +34,6 @@ from .block_scaled import (
 )
 from .ep_runtime import EpRankRuntime
 from .runtime import load_kernel
-
-#: the EP dispatches a config may name
-DISPATCHES = ("pull", "push")
 
 
 class Sm90BlockScaledEpBackend(EpRankRuntime, Sm90BlockScaledBackend):
@@ -52,11 +48,8 @@ class Sm90BlockScaledEpBackend(EpRankRuntime, Sm90BlockScaledBackend):
         super(Sm90BlockScaledBackend, self).__init__(*args, **kwargs)  # the base class: no world-1 buckets
         b, c = self.bootstrap, self.config
         self.mode = "loopback" if b.symmetric_memory == "loopback" else "nvshmem"
-        dispatch = (c.knobs or {}).get("dispatch", "pull")
-        if dispatch not in DISPATCHES:
-            known = ", ".join(DISPATCHES)
-            raise MoEEpConfigError(f"{c.kernel_name}: dispatch must be one of {known}, got {dispatch!r}")
-        self.placement = EpPlacement(b.world_size, self.ranks_per_gpu, dispatch)
+        # the layer's dispatch; its value is checked with the knobs (QuantEpFrontend.check)
+        self.placement = EpPlacement(b.world_size, self.ranks_per_gpu, (c.knobs or {}).get("dispatch", "pull"))
         self.frontends = bucket_frontends(c, self.num_local_experts, self.placement)
         self.frontend = self.frontends[BUCKETS[-1].name]  # the weight layout (every bucket packs alike)
         self.weights: Any = None
@@ -89,4 +82,4 @@ class Sm90BlockScaledEpBackend(EpRankRuntime, Sm90BlockScaledBackend):
         self.weights = None
 
 
-__all__ = ["DISPATCHES", "Sm90BlockScaledEpBackend"]
+__all__ = ["Sm90BlockScaledEpBackend"]
