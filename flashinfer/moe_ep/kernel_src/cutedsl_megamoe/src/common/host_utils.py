@@ -80,7 +80,8 @@ def moe_bf16_workspace_spec(
       pairs) << 16; with ``cluster_m = 2`` the second half holds the pair table of the expert-aware
       cluster schedule (``Sm90MegaMoEBf16Kernel.pair_by_expert``): two block indices per cluster
     - meta [4] int32: meta[0] = number of M blocks, meta[1] = number of rows (padded)
-    - a_buf [M_cap, H] bf16: gathered activations, then reused for the FC2 output
+    - a_buf [M_cap, H] bf16: the row -> token map (first 4 * M_cap bytes, as int32) when FC1 gathers its
+      own A rows (the default), else the gathered activations; then reused for the FC2 output
     - h_buf [M_cap, I] bf16: FC1 output after the activation
     """
     m_cap = max_rows(max_tokens, top_k, num_experts, tile_m, cluster_m)

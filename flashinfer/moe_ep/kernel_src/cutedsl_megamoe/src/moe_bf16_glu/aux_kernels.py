@@ -7,7 +7,8 @@ GEMM M tile never straddles two experts. Padding rows hold stale data: the GEMMs
 
 Routing scales with T: ``route_kernel`` (many CTAs: smem histograms, one global atomic per CTA
 and expert, the last CTA does the padded scan and the M-block map) and ``gather_kernel``, which
-turns each pair's in-CTA rank into its final row while it copies the token.
+turns each pair's in-CTA rank into its final row while it copies the token, or ``row_map_kernel``,
+which only records the rows (pair -> row and row -> token) when FC1 gathers its own A rows.
 """
 
 from __future__ import annotations
@@ -321,6 +322,29 @@ def gather_kernel(
         if g == 0:
             for k in cutlass.range_constexpr(top_k):
                 pair_row[t * top_k + k] = rows[k]
+
+
+@cute.kernel
+def row_map_kernel(
+    topk_ids: cute.Tensor,  # (T, K) int32
+    pair_rank: cute.Tensor,  # (>= T*K,) int32: rank inside the routing CTA's chunk
+    expert_off: cute.Tensor,  # (E,) int32
+    cta_base: cute.Tensor,  # (G1, E) int32
+    pair_row: cute.Tensor,  # (>= T*K,) int32 out: final row of each pair
+    row_token: cute.Tensor,  # (>= M_cap,) int32 out: token of each real row (padding rows untouched)
+    num_route_ctas: cutlass.Constexpr[int],
+):
+    """The gather's bookkeeping without its copy: ``pair_row[p]`` and ``row_token[pair_row[p]] = p // K``
+    for every pair p, so FC1 can load its A rows from ``x`` itself (``GroupedGemmSm90(gather_a=True)``)."""
+    num_tokens = topk_ids.shape[0]
+    top_k = topk_ids.shape[1]
+    first, stride, chunk = item_grid(num_tokens, top_k, num_route_ctas)
+    ids_flat = cute.make_tensor(topk_ids.iterator, cute.make_layout(num_tokens * top_k))
+    for p in cutlass.range(first, num_tokens * top_k, stride):
+        e = ids_flat[p]
+        row = expert_off[e] + cta_base[p // chunk, e] + pair_rank[p]
+        pair_row[p] = row
+        row_token[row] = p // top_k
 
 
 @cute.kernel

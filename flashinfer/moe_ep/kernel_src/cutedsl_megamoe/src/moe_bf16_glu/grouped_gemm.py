@@ -19,6 +19,15 @@ C[rows of M block b] = A[rows of b] @ B[expert(b)].T for every M block b of the 
   appends to an odd count) each CTA loads its own whole B tile. Experts are padded to ``tile_m``
   only, not ``2 * tile_m``.
 - PDL: the prologue (barrier init, descriptor prefetch) runs before ``griddepcontrol.wait``.
+- ``gather_a`` (FC1 at world size 1): A rows come straight from the token matrix ``x`` through
+  ``row_token`` (the token of every real row of the permuted row space), so no gathered copy of
+  the activations is written and read back. The whole producer warpgroup loads them with 16-byte
+  ``cp.async`` (eight consecutive threads per 128-byte row segment, so a warp reads whole
+  segments) into the 128-byte-swizzled A stage (chunk c of row r at chunk ``c ^ (r % 8)``, the
+  TMA ``SWIZZLE_128B`` pattern the WGMMA descriptors expect); each producer thread's
+  ``cp.async.mbarrier.arrive.noinc`` and warp 0's ``arrive.expect_tx`` for the B tile complete the
+  stage's full barrier. Padding rows are not loaded (their smem rows hold stale data; their
+  results are never read).
 
 Warp roles: warpgroup 0 is the producer (warp 0 issues TMA loads into a multi-stage mbarrier
 pipeline, registers released with setmaxnreg); warpgroups 1..W are consumers, each owning 64 rows
@@ -45,6 +54,12 @@ from ..src import activations
 EPI_PLAIN = "plain"
 
 
+def _cp_async_16(dst_smem: cutlass.Int32, src_gmem: cutlass.Int64) -> None:
+    """16 bytes global -> shared, cached in L2 only; the thread's next
+    ``cp.async.mbarrier.arrive`` fires once it has landed."""
+    cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16;", read_only_args=[dst_smem, src_gmem])
+
+
 class GroupedGemmSm90:
     """One grouped GEMM stage (FC1 or FC2) of the MoE; compile-time knobs only."""
 
@@ -59,6 +74,7 @@ class GroupedGemmSm90:
         epi_direct: bool = False,
         cluster_m: int = 1,
         pair_by_expert: bool = False,
+        gather_a: bool = False,
     ) -> None:
         if tile_m not in (64, 128, 256):
             raise ValueError(f"tile_m must be 64, 128 or 256, got {tile_m}")
@@ -95,6 +111,10 @@ class GroupedGemmSm90:
         self.threads_per_wg = 128
         self.num_threads = (1 + self.num_mma_wg) * self.threads_per_wg
         self.num_mma_threads = self.num_mma_wg * self.threads_per_wg
+        self.gather_a = gather_a
+        # setmaxnreg moves registers inside the launch budget (384 threads x 168): the producer must give
+        # back what the consumers take (40 x 128 + 232 x 256 = 168 x 384), or the consumers' increase
+        # never returns. The gathering producer lives with 40 as well.
         self.producer_regs = 40
         self.consumer_regs = 232 if self.num_mma_wg > 1 else 240
         # Direct epilogue: each thread stores its fragment straight to global memory (no smem, no
@@ -167,15 +187,16 @@ class GroupedGemmSm90:
         meta: cute.Tensor,
         stream,
         use_pdl: bool = False,
+        x: cute.Tensor | None = None,
+        row_token: cute.Tensor | None = None,
     ) -> None:
-        """Trace-time: build TMA descriptors and launch the persistent kernel on ``stream``."""
+        """Trace-time: build TMA descriptors and launch the persistent kernel on ``stream``.
+        With ``gather_a``, ``a`` only sets the operand type: A rows come from ``x`` [T, H] through
+        ``row_token`` [M_cap] int32 (no TMA descriptor over ``x``: T may be 0)."""
         self._setup(a, b, c)
         a_smem_one = cute.slice_(self.a_smem_layout, (None, None, 0))
         b_smem_one = cute.slice_(self.b_smem_layout, (None, None, 0))
         epi_smem_one = cute.slice_(self.epi_smem_layout, (None, None, 0))
-        tma_a, tma_tensor_a = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), a, a_smem_one, (self.tile_m, self.tile_k)
-        )
         b_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_m > 1 else cpasync.CopyBulkTensorTileG2SOp()
         tma_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
             b_op, b, b_smem_one, (self.tile_n, self.tile_k), num_multicast=self.cluster_m
@@ -183,7 +204,15 @@ class GroupedGemmSm90:
         tma_c, tma_tensor_c = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), c, epi_smem_one, self.epi_tile
         )
-        self.tma_bytes = cute.size_in_bytes(self.ab_dtype, a_smem_one) + cute.size_in_bytes(self.ab_dtype, b_smem_one)
+        self.tma_bytes = cute.size_in_bytes(self.ab_dtype, b_smem_one)
+        if cutlass.const_expr(self.gather_a):
+            tma_a, tma_tensor_a = tma_b, tma_tensor_b  # unused placeholders
+        else:
+            tma_a, tma_tensor_a = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), a, a_smem_one, (self.tile_m, self.tile_k)
+            )
+            self.tma_bytes += cute.size_in_bytes(self.ab_dtype, a_smem_one)
+            x, row_token = a, meta  # unused placeholders
 
         @cute.struct
         class SharedStorage:
@@ -203,6 +232,8 @@ class GroupedGemmSm90:
             c,
             m_block_expert,
             meta,
+            x,
+            row_token,
             self.tiled_mma,
             self.tiled_mma_out,
             self.a_smem_layout,
@@ -230,6 +261,8 @@ class GroupedGemmSm90:
         mC_plain: cute.Tensor,
         m_block_expert: cute.Tensor,
         meta: cute.Tensor,
+        mX: cute.Tensor,
+        row_token: cute.Tensor,
         tiled_mma: cute.TiledMma,
         tiled_mma_out: cute.TiledMma,
         a_smem_layout: cute.ComposedLayout,
@@ -243,7 +276,8 @@ class GroupedGemmSm90:
         wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
 
         if warp_idx == 0:
-            cpasync.prefetch_descriptor(tma_a)
+            if cutlass.const_expr(not self.gather_a):
+                cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
             cpasync.prefetch_descriptor(tma_c)
 
@@ -257,7 +291,10 @@ class GroupedGemmSm90:
         cluster_coord = cta_layout_mnk.get_flat_coord(cta_rank)
         b_mcast_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=0)
         b_self_mask = cutlass.Int16(1) << cta_rank
-        producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+        # Full barrier: warp 0's arrive.expect_tx, plus with gather_a one cp.async arrive per producer thread.
+        producer_group = pipeline.CooperativeGroup(
+            pipeline.Agent.Thread, 1 + self.threads_per_wg if self.gather_a else 1
+        )
         consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.cluster_m * self.num_mma_wg * 4)
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(),
@@ -275,14 +312,16 @@ class GroupedGemmSm90:
         sC = storage.sC.get_tensor(epi_smem_layout.outer, swizzle=epi_smem_layout.inner)
 
         # (bM, bK, RestM, RestK) / (bN, bK, RestN, RestK, E) / (bM, bNout, RestM, RestNout)
-        gA = cute.local_tile(mA, (self.tile_m, self.tile_k), (None, None))
+        if cutlass.const_expr(not self.gather_a):
+            gA = cute.local_tile(mA, (self.tile_m, self.tile_k), (None, None))
         gB = cute.local_tile(mB, (self.tile_n, self.tile_k), (None, None, None))
         gC = cute.local_tile(mC, self.out_tiler, (None, None))
         gC_plain = cute.local_tile(mC_plain, self.out_tiler, (None, None))
 
-        tAsA, tAgA = cpasync.tma_partition(
-            tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
-        )
+        if cutlass.const_expr(not self.gather_a):
+            tAsA, tAgA = cpasync.tma_partition(
+                tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+            )
         tBsB, tBgB = cpasync.tma_partition(
             tma_b,
             cluster_coord[0],
@@ -299,7 +338,7 @@ class GroupedGemmSm90:
             cute.group_modes(gB, 0, 2),
         )
 
-        k_tiles = cute.size(gA, mode=[3])
+        k_tiles = cute.size(gB, mode=[3])
         n_tiles = cute.size(gB, mode=[2])
 
         pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster_m, 1))
@@ -315,7 +354,19 @@ class GroupedGemmSm90:
         if wg_idx == 0:
             # ------------------------------------------------------------ producer warpgroup
             cute.arch.setmaxregister_decrease(self.producer_regs)
-            if warp_idx == 0:
+            if cutlass.const_expr(self.gather_a):
+                # gather_a: all four warps load A rows (cp.async); warp 0 also loads B (TMA). Eight
+                # consecutive threads take the eight 16-byte chunks of one row (a warp reads four whole
+                # 128-byte row segments per instruction); thread group g = tidx // 8 takes rows g + 16 j.
+                rows_pt = self.tile_m // 16
+                chunk = tidx % 8
+                group = tidx // 8
+                swz = (chunk ^ (group % 8)) << 4  # row g + 16 j has the same row % 8 as g
+                a_smem = storage.sA.data_ptr().toint()
+                x_base = mX.iterator.toint()
+                row_bytes = cute.size(mX, mode=[1]) * 2
+                stage_bytes = self.tile_m * self.tile_k * 2
+                k_bytes = self.tile_k * 2
                 prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
                 tile = first_tile
                 while tile < num_tiles:
@@ -323,55 +374,68 @@ class GroupedGemmSm90:
                     n_blk = tile - grp * n_tiles
                     m_blk = self._m_block(m_block_expert, grp, cluster_coord[0])
                     expert = m_block_expert[m_blk] & 0xFFFF
-                    # Both CTAs derive the same answer from the same two entries.
+                    valid_rows = m_block_expert[m_blk] >> 16
                     share_b = cutlass.Boolean(False)
                     if cutlass.const_expr(self.cluster_m > 1):
                         partner = self._m_block(m_block_expert, grp, (cluster_coord[0] + 1) % self.cluster_m)
                         share_b = (m_block_expert[partner] & 0xFFFF) == expert
+                    # The token of each of this thread's rows (-1: a padding row, not loaded).
+                    tok = []
+                    for j in cutlass.range_constexpr(rows_pt):
+                        t = cutlass.Int32(-1)
+                        if group + 16 * j < valid_rows:
+                            t = row_token[m_blk * self.tile_m + group + 16 * j]
+                        tok.append(t)
                     for k in cutlass.range(k_tiles, unroll=1):
-                        ab_pipe.producer_acquire(prod_state)
-                        bar = ab_pipe.producer_get_barrier(prod_state)
-                        cute.copy(
-                            tma_a,
-                            tAgA[(None, m_blk, k)],
-                            tAsA[(None, prod_state.index)],
-                            tma_bar_ptr=bar,
-                        )
-                        if cutlass.const_expr(self.cluster_m == 1):
-                            cute.copy(
-                                tma_b,
-                                tBgB[(None, n_blk, k, expert)],
-                                tBsB[(None, prod_state.index)],
-                                tma_bar_ptr=bar,
+                        ab_pipe.sync_object_empty.wait(prod_state.index, prod_state.phase)
+                        if warp_idx == 0:
+                            ab_pipe.producer_acquire(prod_state)
+                            self._load_b(
+                                ab_pipe, prod_state, tma_b, tBgB, tBsB, tBgB_other, tBsB_other, n_blk, k, expert,
+                                share_b, b_mcast_mask, b_self_mask,
                             )
-                        else:
-                            if share_b:
-                                cute.copy(
-                                    tma_b,
-                                    tBgB[(None, n_blk, k, expert)],
-                                    tBsB[(None, prod_state.index)],
-                                    tma_bar_ptr=bar,
-                                    mcast_mask=b_mcast_mask,
-                                )
-                            else:
-                                cute.copy(
-                                    tma_b,
-                                    tBgB[(None, n_blk, k, expert)],
-                                    tBsB[(None, prod_state.index)],
-                                    tma_bar_ptr=bar,
-                                    mcast_mask=b_self_mask,
-                                )
-                                cute.copy(
-                                    tma_b,
-                                    tBgB_other[(None, n_blk, k, expert)],
-                                    tBsB_other[(None, prod_state.index)],
-                                    tma_bar_ptr=bar,
-                                    mcast_mask=b_self_mask,
-                                )
-                        ab_pipe.producer_commit(prod_state)
+                        dst = a_smem + prod_state.index * stage_bytes + group * 128 + swz
+                        col = k * k_bytes + chunk * 16
+                        for j in cutlass.range_constexpr(rows_pt):
+                            if tok[j] >= 0:
+                                src = x_base + cutlass.Int64(tok[j]) * row_bytes + col
+                                _cp_async_16(dst + j * 16 * 128, src)
+                        cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipe.producer_get_barrier(prod_state))
                         prod_state.advance()
                     tile += tile_stride
-                ab_pipe.producer_tail(prod_state)
+                if warp_idx == 0:
+                    ab_pipe.producer_tail(prod_state)
+            else:
+                if warp_idx == 0:
+                    prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+                    tile = first_tile
+                    while tile < num_tiles:
+                        grp = tile // n_tiles
+                        n_blk = tile - grp * n_tiles
+                        m_blk = self._m_block(m_block_expert, grp, cluster_coord[0])
+                        expert = m_block_expert[m_blk] & 0xFFFF
+                        # Both CTAs derive the same answer from the same two entries.
+                        share_b = cutlass.Boolean(False)
+                        if cutlass.const_expr(self.cluster_m > 1):
+                            partner = self._m_block(m_block_expert, grp, (cluster_coord[0] + 1) % self.cluster_m)
+                            share_b = (m_block_expert[partner] & 0xFFFF) == expert
+                        for k in cutlass.range(k_tiles, unroll=1):
+                            ab_pipe.producer_acquire(prod_state)
+                            bar = ab_pipe.producer_get_barrier(prod_state)
+                            cute.copy(
+                                tma_a,
+                                tAgA[(None, m_blk, k)],
+                                tAsA[(None, prod_state.index)],
+                                tma_bar_ptr=bar,
+                            )
+                            self._load_b(
+                                ab_pipe, prod_state, tma_b, tBgB, tBsB, tBgB_other, tBsB_other, n_blk, k, expert,
+                                share_b, b_mcast_mask, b_self_mask,
+                            )
+                            ab_pipe.producer_commit(prod_state)
+                            prod_state.advance()
+                        tile += tile_stride
+                    ab_pipe.producer_tail(prod_state)
         else:
             # ------------------------------------------------------------ consumer warpgroups
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -437,6 +501,7 @@ class GroupedGemmSm90:
                 acc.fill(0.0)
                 warpgroup.fence()
                 ab_pipe.consumer_wait(read_state)
+                self._order_gathered_a()
                 if active:
                     for kb in cutlass.range_constexpr(num_kb):
                         cute.gemm(
@@ -450,6 +515,7 @@ class GroupedGemmSm90:
                 read_state.advance()
                 for _k in cutlass.range(1, k_tiles, unroll=1):
                     ab_pipe.consumer_wait(read_state)
+                    self._order_gathered_a()
                     if active:
                         for kb in cutlass.range_constexpr(num_kb):
                             cute.gemm(
@@ -501,6 +567,36 @@ class GroupedGemmSm90:
         if cutlass.const_expr(self.pair_by_expert):
             return m_block_expert[m_block_expert.shape[0] // 2 + grp * 2 + rank]
         return grp * self.cluster_m + rank
+
+    def _order_gathered_a(self) -> None:
+        """gather_a: the A stage was written by cp.async (generic proxy) and WGMMA reads it through
+        the async proxy: order the two after the full barrier."""
+        if cutlass.const_expr(self.gather_a):
+            cute.arch.fence_proxy("async.shared", space="cta")
+
+    @cute.jit
+    def _load_b(
+        self, ab_pipe, state, tma_b, tBgB, tBsB, tBgB_other, tBsB_other, n_blk, k, expert, share_b, mcast, self_mask
+    ) -> None:
+        """TMA of the stage's B tile: alone, shared with the cluster partner (each CTA loads its
+        slice for both), or, when the partner's block belongs to another expert, both slices here."""
+        bar = ab_pipe.producer_get_barrier(state)
+        if cutlass.const_expr(self.cluster_m == 1):
+            cute.copy(tma_b, tBgB[(None, n_blk, k, expert)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+        else:
+            if share_b:
+                cute.copy(
+                    tma_b, tBgB[(None, n_blk, k, expert)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=mcast
+                )
+            else:
+                cute.copy(
+                    tma_b, tBgB[(None, n_blk, k, expert)], tBsB[(None, state.index)], tma_bar_ptr=bar,
+                    mcast_mask=self_mask,
+                )
+                cute.copy(
+                    tma_b, tBgB_other[(None, n_blk, k, expert)], tBsB_other[(None, state.index)], tma_bar_ptr=bar,
+                    mcast_mask=self_mask,
+                )
 
     @cute.jit
     def _tma_epilogue(

@@ -4,8 +4,11 @@
 
 1. routing (G1 = num_sms CTAs): per-CTA expert histograms and slot reservations; the last CTA
    computes the padded per-expert offsets, the expert of every M block and the block count;
-2. gather: final row of every (token, k) pair, ``a_buf[row] = x[token]``;
-3. FC1 grouped GEMM with the activation fused in the epilogue -> ``h_buf`` [M_cap, I];
+2. row map: final row of every (token, k) pair (``pair_row``) and the token of every real row
+   (``row_token``, held in the first 4 * M_cap bytes of ``a_buf`` until FC2 overwrites it);
+   with ``gather_in_fc1=False`` the gather instead: ``a_buf[row] = x[token]``;
+3. FC1 grouped GEMM with the activation fused in the epilogue -> ``h_buf`` [M_cap, I]; its A rows
+   come from ``x`` through ``row_token`` (or from ``a_buf``);
 4. FC2 grouped GEMM -> ``a_buf`` reused as y [M_cap, H];
 5. combine: ``out[t] = bf16(sum_k w[t,k] * y[pair_row[t,k]])``, k in order, no atomics.
 
@@ -53,6 +56,10 @@ class Sm90MegaMoEBf16Kernel:
         4-5 % slower, hence the switch.
     :param fc1_tiled: w13 comes tiled (``weights.tile_weights(w13, fc1_tile_n, TILE_K)`` after the
         gate/up interleave, 5-D): each FC1 weight tile is one contiguous block of memory.
+    :param gather_in_fc1: FC1 loads its A rows from ``x`` itself (``GroupedGemmSm90(gather_a=True)``)
+        instead of from a gathered copy in ``a_buf``: the gather kernel's copy (T * top_k rows written,
+        then read back) becomes a row map of 8 bytes per pair. Measured on H200 (TUNING.md, drop v18):
+        2-9 % faster at T <= 1024 and on qwen3 prefill, within 1-2.5 % slower on deepseek-v3 prefill.
     :param stage_mask: debugging/profiling only: bit i enables stage i (routing, gather, FC1,
         FC2, combine); anything but 0b11111 gives wrong results (and masking out routing leaves
         ``expert_count`` non-zero).
@@ -78,6 +85,7 @@ class Sm90MegaMoEBf16Kernel:
         cluster_m: int = 1,
         pair_by_expert: bool | None = None,
         fc1_tiled: bool = False,
+        gather_in_fc1: bool = True,
         stage_mask: int = 0b11111,
     ) -> None:
         if activation not in constants.ACTIVATIONS:
@@ -98,8 +106,10 @@ class Sm90MegaMoEBf16Kernel:
         self.pair_by_expert = pair_by_expert
         self.stage_mask = stage_mask
         self.fc1_tiled = fc1_tiled
+        self.gather_in_fc1 = gather_in_fc1
         self.fc1 = GroupedGemmSm90(
-            tile_m, fc1_tile_n, activation, limit, num_sms, fc1_stages, epi_direct, cluster_m, pair_by_expert
+            tile_m, fc1_tile_n, activation, limit, num_sms, fc1_stages, epi_direct, cluster_m, pair_by_expert,
+            gather_a=gather_in_fc1,
         )
         self.fc2 = GroupedGemmSm90(
             tile_m, fc2_tile_n, EPI_PLAIN, None, num_sms, fc2_stages, epi_direct, cluster_m, pair_by_expert
@@ -160,18 +170,32 @@ class Sm90MegaMoEBf16Kernel:
                 stream=stream,
                 use_pdl=pdl,
             )
+        # The row -> token map lives in a_buf until FC2 writes y there (FC2 starts after FC1 ends).
+        row_token = cute.make_tensor(
+            cute.recast_ptr(a_buf.iterator, dtype=cutlass.Int32), cute.make_layout(a_buf.shape[0])
+        )
         if cutlass.const_expr(self.stage_mask & 2):
-            aux_kernels.gather_kernel(
-                x, topk_ids, pair_rank, expert_off, cta_base, pair_row, a_buf, self.num_sms, self.aux_vpt
-            ).launch(
-                grid=[self.aux_grid, 1, 1],
-                block=[self.aux_threads, 1, 1],
-                stream=stream,
-                use_pdl=pdl,
-            )
+            if cutlass.const_expr(self.gather_in_fc1):
+                aux_kernels.row_map_kernel(
+                    topk_ids, pair_rank, expert_off, cta_base, pair_row, row_token, self.num_sms
+                ).launch(
+                    grid=[self.aux_grid, 1, 1],
+                    block=[self.aux_threads, 1, 1],
+                    stream=stream,
+                    use_pdl=pdl,
+                )
+            else:
+                aux_kernels.gather_kernel(
+                    x, topk_ids, pair_rank, expert_off, cta_base, pair_row, a_buf, self.num_sms, self.aux_vpt
+                ).launch(
+                    grid=[self.aux_grid, 1, 1],
+                    block=[self.aux_threads, 1, 1],
+                    stream=stream,
+                    use_pdl=pdl,
+                )
         if cutlass.const_expr(self.stage_mask & 4):
             w13_view = self._tiled_expert_major_view(w13) if self.fc1_tiled else self._expert_major_view(w13)
-            self.fc1.launch(a_buf, w13_view, h_buf, m_block_expert, meta, stream, pdl)
+            self.fc1.launch(a_buf, w13_view, h_buf, m_block_expert, meta, stream, pdl, x=x, row_token=row_token)
         if cutlass.const_expr(self.stage_mask & 8):
             self.fc2.launch(h_buf, self._expert_major_view(w2), a_buf, m_block_expert, meta, stream, pdl)
         if cutlass.const_expr(self.stage_mask & 16):
