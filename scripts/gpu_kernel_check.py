@@ -61,6 +61,10 @@ def variants() -> list[dict]:
         kw = dict(activation="swiglu", tile_m=tm, fc1_tiled=True)
         out.append(dict(name=f"small_swiglu_fc1tiled_tm{tm}", role="check", kw=kw, **SMALL))
     out.append(dict(name="small_relu2_fc1tiled", role="check", kw=dict(activation="relu2", fc1_tiled=True), **SMALL))
+    # the separate gather kernel (FC1 reading a gathered copy), still a kernel option
+    for tm in (64, 128):
+        kw = dict(activation="swiglu", tile_m=tm, gather_in_fc1=False)
+        out.append(dict(name=f"small_swiglu_gather_kernel_tm{tm}", role="check", kw=kw, **SMALL))
     out.append(
         dict(
             name="small_swiglu_tn256",
@@ -148,6 +152,9 @@ def variants() -> list[dict]:
         for tag, kw in (
             ("dltiled", dict(tile_m=64, fc1_tile_n=256, fc2_tile_n=128)),  # decode profile, FC1 tiled
             ("c2tiled", dict(tile_m=128, fc1_tile_n=256, fc2_tile_n=256, cluster_m=2)),  # prefill profile
+            # the same with the separate gather kernel (drop v17 and before) instead of FC1's own row loads
+            ("dltiled_g0", dict(tile_m=64, fc1_tile_n=256, fc2_tile_n=128, gather_in_fc1=False)),
+            ("c2tiled_g0", dict(tile_m=128, fc1_tile_n=256, fc2_tile_n=256, cluster_m=2, gather_in_fc1=False)),
         ):
             kw = dict(activation="swiglu", fc1_tiled=True, **kw)
             out.append(dict(name=f"{model}_{tag}", role="compare", model=model, kw=kw, **dims))

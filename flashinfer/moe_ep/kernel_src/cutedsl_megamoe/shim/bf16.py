@@ -25,6 +25,10 @@ class Bf16Knobs:
     one contiguous block of memory, so each TMA load of FC1 reads one run of memory instead of
     fc1_tile_n runs of 128 bytes one row pitch apart (measured on H200: 1.5-3 % faster at decode,
     10 % on deepseek-v3 at T = 1; TUNING.md, drop v14).
+
+    ``gather_in_fc1`` (default on): FC1 loads its activation rows from ``x`` itself instead of from a
+    copy gathered by a separate kernel (drop v18; measured on H200: 2-11 % faster at T <= 1024 and on
+    qwen3-30b-a3b at every T, 1-2.4 % slower on deepseek-v3 at T >= 4096; TUNING.md, "Session 10").
     """
 
     tile_m: int = 128
@@ -35,6 +39,7 @@ class Bf16Knobs:
     num_sms: int = 132
     cluster_m: int = 1
     fc1_tiled: bool = True
+    gather_in_fc1: bool = True
 
 
 def widest_tile(n: int, widest: int = 256) -> int:
@@ -104,6 +109,7 @@ class Bf16Frontend(KernelFrontend):
             fc2_stages=k.fc2_stages,
             cluster_m=k.cluster_m,
             fc1_tiled=k.fc1_tiled,
+            gather_in_fc1=k.gather_in_fc1,
         )
         return kh.export_moe_bf16(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)
 

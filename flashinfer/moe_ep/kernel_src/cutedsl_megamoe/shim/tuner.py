@@ -113,6 +113,8 @@ BF16_KNOBS: tuple[KnobSpec, ...] = (
     KnobSpec("cluster_m", PERFORMANCE, (1, 2), (1, 2),
              why="CTAs per cluster along M sharing each weight tile within an expert (prefill default)"),
     KnobSpec("fc2_tile_n", PERFORMANCE, _TILE_N, (64, 128, 256), why="FC2 N tile over H"),
+    KnobSpec("gather_in_fc1", PERFORMANCE, (False, True), None,
+             why="FC1 loads its rows from x (no gathered copy); measured, not searched"),
     # None = as many stages as shared memory allows; an explicit depth can overflow shared memory,
     # which only the compiler detects, so candidates keep None and explicit depths are for hand tuning.
     KnobSpec("fc1_stages", PERFORMANCE, _STAGES, None, why="FC1 TMA pipeline depth"),
