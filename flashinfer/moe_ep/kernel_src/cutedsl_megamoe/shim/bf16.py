@@ -27,8 +27,9 @@ class Bf16Knobs:
     10 % on deepseek-v3 at T = 1; TUNING.md, drop v14).
 
     ``gather_in_fc1`` (default on): FC1 loads its activation rows from ``x`` itself instead of from a
-    copy gathered by a separate kernel (drop v18; measured on H200: 2-11 % faster at T <= 1024 and on
-    qwen3-30b-a3b at every T, 1-2.4 % slower on deepseek-v3 at T >= 4096; TUNING.md, "Session 10").
+    copy gathered by a separate kernel (drop v18; measured on H200: 2-11 % faster from T = 128 to 1024,
+    4-10 % on qwen3-30b-a3b prefill, even at T = 1, 1-2.4 % slower on deepseek-v3 at T >= 4096;
+    TUNING.md, "Session 10").
     """
 
     tile_m: int = 128
