@@ -45,6 +45,18 @@ def test_build_every_default_variant_for_sm90a(tmp_path: Path, capsys) -> None:
         assert b"__tvm_ffi_" in lib.read_bytes()  # the exported TVM-FFI symbol
 
 
+def test_both_fc1_row_sources_compile_under_their_own_keys(tmp_path: Path) -> None:
+    """``gather_in_fc1`` (drop v18): FC1 loading its rows from x (the default: a row-map kernel, no
+    copy) and the separate gather kernel are two libraries under two keys; the knob reaches the kernel."""
+    on, off = _frontend(gather_in_fc1=True), _frontend(gather_in_fc1=False)
+    assert on.knobs.gather_in_fc1 and not off.knobs.gather_in_fc1
+    assert on.key.digest() != off.key.digest()
+    blobs = [fe.build(tmp_path).read_bytes() for fe in (on, off)]
+    assert all(b"__tvm_ffi_" in blob for blob in blobs)
+    assert b"row_map_kernel" in blobs[0] and b"gather_kernel" not in blobs[0]
+    assert b"gather_kernel" in blobs[1] and b"row_map_kernel" not in blobs[1]
+
+
 def test_key_covers_versions_geometry_and_knobs(tmp_path: Path, monkeypatch) -> None:
     base = _frontend()
     assert base.key.digest() != _frontend(tile_m=64).key.digest()
