@@ -87,20 +87,24 @@ def _world(world: int, timeout_s: float = 2.0, knobs: dict | str | None = None, 
     return cfg, w13, w2, layers, streams
 
 
-def _rank_inputs(cfg, g: torch.Generator, tokens_per_rank: list[int]) -> list[tuple]:
-    """(x, topk_ids, topk_weights) of every rank, uniform routing."""
+def _rank_inputs(cfg, g: torch.Generator, tokens_per_rank: list[int], routing: str = "uniform") -> list[tuple]:
+    """(x, topk_ids, topk_weights) of every rank."""
     inputs = []
     for t in tokens_per_rank:
         x = make_hidden_states(t, cfg.hidden_size, generator=g, device="cuda")
-        ids, w = make_topk(t, cfg.num_experts, cfg.top_k, generator=g, device="cuda")
+        ids, w = make_topk(t, cfg.num_experts, cfg.top_k, routing=routing, generator=g, device="cuda")
         inputs.append((x, ids, w))
     return inputs
 
 
+def _global_inputs(inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ranks' (x, topk_ids, topk_weights) concatenated: the single-process reference's inputs."""
+    return tuple(torch.cat([i[k] for i in inputs]) for k in range(3))
+
+
 def _assert_matches_reference(inputs, outs, w13, w2) -> None:
     """Every rank's output against the single-process reference on the concatenated global inputs."""
-    ref, scale = moe_reference(torch.cat([i[0] for i in inputs]), torch.cat([i[1] for i in inputs]),
-                               torch.cat([i[2] for i in inputs]), w13, w2, return_term_scale=True)  # fmt: skip
+    ref, scale = moe_reference(*_global_inputs(inputs), w13, w2, return_term_scale=True)
     got = torch.cat(outs)
     assert relative_errors(got, ref)[0] < 1e-2 and rounding_ulps(got, ref, scale) <= 4.0
 
@@ -123,16 +127,11 @@ def test_loopback_ep_layer_matches_the_reference(world: int, knobs: dict | None)
     tokens = [(37 * (r + 3)) % 200 + 1 for r in range(world)]
     tokens[1] = 0  # a zero-token rank
     for routing in ("uniform", "skewed"):
-        inputs = []
-        for t in tokens:
-            x = make_hidden_states(t, cfg.hidden_size, generator=g, device="cuda")
-            ids, w = make_topk(t, cfg.num_experts, cfg.top_k, routing=routing, generator=g, device="cuda")
-            inputs.append((x, ids, w))
+        inputs = _rank_inputs(cfg, g, tokens, routing)
         first = _forward(layers, streams, inputs)
         for layer in layers:
             layer.check_transport()
-        ref, scale = moe_reference(torch.cat([i[0] for i in inputs]), torch.cat([i[1] for i in inputs]),
-                                   torch.cat([i[2] for i in inputs]), w13, w2, return_term_scale=True)  # fmt: skip
+        ref, scale = moe_reference(*_global_inputs(inputs), w13, w2, return_term_scale=True)
         got = torch.cat(first)
         assert not bool(got.isnan().any())
         mean_err, max_err = relative_errors(got, ref)
@@ -193,19 +192,12 @@ def test_mxfp8_combine_wire_matches_the_reference(world: int, knobs: dict | None
     tokens = [(41 * (r + 2)) % 250 + 1 for r in range(world)]
     tokens[-1] = 0  # a zero-token rank
     for routing in ("uniform", "skewed", "empty"):
-        inputs = []
-        for t in tokens:
-            x = make_hidden_states(t, cfg.hidden_size, generator=g, device="cuda")
-            ids, w = make_topk(t, cfg.num_experts, cfg.top_k, routing=routing, generator=g, device="cuda")
-            inputs.append((x, ids, w))
+        inputs = _rank_inputs(cfg, g, tokens, routing)
         first = _forward(layers, streams, inputs)
         for layer in layers:
             layer.check_transport()
-        ref, scale = moe_reference(torch.cat([i[0] for i in inputs]), torch.cat([i[1] for i in inputs]),
-                                   torch.cat([i[2] for i in inputs]), w13, w2, return_term_scale=True,
-                                   combine_dtype="mxfp8")  # fmt: skip
-        plain = moe_reference(torch.cat([i[0] for i in inputs]), torch.cat([i[1] for i in inputs]),
-                              torch.cat([i[2] for i in inputs]), w13, w2)  # fmt: skip
+        ref, scale = moe_reference(*_global_inputs(inputs), w13, w2, return_term_scale=True, combine_dtype="mxfp8")
+        plain = moe_reference(*_global_inputs(inputs), w13, w2)
         got = torch.cat(first)
         assert not bool(got.isnan().any())
         mean_err, max_err = relative_errors(got, ref)
