@@ -94,3 +94,20 @@ def test_bench_graph_layers_fit_the_memory_budget() -> None:
     assert graph_layer_count(ds, "bf16", 8, 48.0) == 2  # 22.5 GB per layer: one extra (twice that while made)
     assert graph_layer_count(ds, "nvfp4", 8, 48.0) > graph_layer_count(ds, "bf16", 8, 48.0)
     assert graph_layer_count(ds, "bf16", 8, 0.0) == 1
+
+
+def test_bench_eager_layers_run_back_to_back_and_report_per_layer(monkeypatch) -> None:
+    """``L ms``: every timed launch runs the L layers in order on the same input set, and the time is per
+    layer (the host clock stands in for CUDA events on a machine without a GPU)."""
+    from flashinfer.moe_ep.cli import bench
+
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+    calls = []
+    fns = [lambda i, n=n: calls.append((n, i)) for n in range(3)]
+    clock = iter(range(0, 1000, 6))  # each timed launch takes 6 ms on this fake clock
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock) / 1e3)
+    ms = bench._eager_layers_time_ms(fns, iters=4, sets=2)
+    assert ms == pytest.approx(2.0)  # 6 ms for three layers
+    warmup, timed = calls[:6], calls[6:]
+    assert warmup == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
+    assert timed == [(n, i % 2) for i in range(4) for n in range(3)]

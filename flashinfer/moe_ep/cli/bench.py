@@ -76,7 +76,9 @@ def add_parser(sub: Any) -> None:
         default=1,
         help="capture that many layers of the backend (distinct weights, the same inputs) into each CUDA graph and "
         "report the graph time per layer, as an engine's decode graph holds every layer (the graph launch cost "
-        "amortized); reduced per contract to what fits --graph-memory-gb of extra weights",
+        "amortized); at every T also the per-layer time of those layers run eagerly back to back (column 'L ms': "
+        "the host's path to the first launch, which a single timed call holds, paid once per L layers); reduced "
+        "per contract to what fits --graph-memory-gb of extra weights",
     )
     p.add_argument("--graph-memory-gb", type=float, default=48.0, help="weight memory of the extra --graph-layers")
     p.set_defaults(func=run)
@@ -130,6 +132,14 @@ def _graph_time_ms(fns: list[Any], iters: int, sets: int) -> float:
                 fn(i)
         graphs.append(g)
     return _time_ms(lambda i: graphs[i].replay(), iters, sets) / len(fns)
+
+
+def _eager_layers_time_ms(fns: list[Any], iters: int, sets: int) -> float:
+    """Like ``_time_ms`` for the calls ``fns`` (one per layer, in order) run eagerly back to back between the
+    two events, per layer: what an engine without CUDA graphs sees per layer once its host runs ahead of the
+    GPU. A single timed call (``_time_ms``) starts on an idle GPU, so it also holds the host's path to the
+    first kernel launch; here that is paid once per ``len(fns)`` layers."""
+    return _time_ms(lambda i: [fn(i) for fn in fns], iters, sets) / len(fns)
 
 
 def graph_layer_count(c: Any, fmt: str, wanted: int, memory_gb: float) -> int:
@@ -260,12 +270,12 @@ def bench_contract(
         layer, q, extra = make_bench_layer(c, entry, w13, w2, entry_knobs, max(tokens), gen, prequantized)
         # --graph-layers: more layers of this backend on other weights (the experts rolled: other memory, so
         # nothing of one layer's weights is in L2 for the next), for the CUDA-graph timings only
-        n_layers = graph_layer_count(c, fmt, graph_layers, graph_memory_gb) if graph_tokens else 1
+        n_layers = graph_layer_count(c, fmt, graph_layers, graph_memory_gb)
         more_layers = []
         extra_gen = torch.Generator().manual_seed(4321)  # NVFP4 calibration of the extra layers
         for i in range(1, n_layers):
             w13_i, w2_i = w13.roll(i, 0), w2.roll(i, 0)
-            more_layers.append(make_bench_layer(c, entry, w13_i, w2_i, entry_knobs, max(graph_tokens), extra_gen,
+            more_layers.append(make_bench_layer(c, entry, w13_i, w2_i, entry_knobs, max(tokens), extra_gen,
                                                 prequantized)[0])  # fmt: skip
             del w13_i, w2_i
         for t in tokens:
@@ -286,12 +296,13 @@ def bench_contract(
                 )
 
             ours = _time_ms(ours_fn, iters, sets)
-            graph_ms = float("nan")
+            graph_ms = eager_layers_ms = float("nan")
+            fns = [ours_fn] + [
+                lambda i, lay=lay, feed=feed, outs=outs: lay.forward(feed[i], output=outs[i]) for lay in more_layers
+            ]
+            if more_layers:
+                eager_layers_ms = _eager_layers_time_ms(fns, iters, sets)
             if t in graph_tokens:
-                fns = [ours_fn] + [
-                    lambda i, lay=lay, feed=feed, outs=outs: lay.forward(feed[i], output=outs[i])
-                    for lay in more_layers
-                ]  # fmt: skip
                 graph_ms = _graph_time_ms(fns, iters, sets)
             if t not in base_ms:
                 base_ms[t] = _time_ms(base_fn, iters, sets)
@@ -308,7 +319,8 @@ def bench_contract(
                 "tokens": t,
                 "ms": ours,
                 "graph_ms": graph_ms,
-                "graph_layers": n_layers if t in graph_tokens else 0,
+                "eager_layers_ms": eager_layers_ms,
+                "graph_layers": n_layers,
                 "baseline_ms": base,
                 "tflops": flops / ours / 1e9,
                 "weight_gbs": weight_bytes / ours / 1e6,
@@ -342,7 +354,13 @@ def bench_contract(
             rows.append(row)
             print(
                 f"  {name} {label} T={t}: {ours:.3f} ms"
-                + ("" if math.isnan(graph_ms) else f" (CUDA graph {graph_ms:.3f} ms per layer of {n_layers})")
+                + (
+                    ""
+                    if math.isnan(eager_layers_ms)
+                    else f" ({eager_layers_ms:.3f} ms per layer of {n_layers} eager back to back"
+                    + ("" if math.isnan(graph_ms) else f", {graph_ms:.3f} in a CUDA graph")
+                    + ")"
+                )
                 + f" ({row['tflops']:.0f} TFLOP/s, "
                 f"{row['pct_floor']:.0f}% of floor), baseline {base:.3f} ms, x{row['speedup']:.2f}, "
                 f"x{row['vs_first']:.2f} vs {labels[0]}, " + _describe_errors(row),
@@ -442,14 +460,16 @@ def run(args: argparse.Namespace) -> int:
     plotted = _plot(rows, out / "bench.png")
     print(f"\nwrote {out / 'bench.csv'}" + (f" and {out / 'bench.png'}" if plotted else " (no matplotlib: no plot)"))
     print(
-        f"\n{'contract':<16} {'backend':<30} {'T':>6} {'ms':>8} {'graph ms':>8} {'L':>2} {'TFLOP/s':>8} {'GB/s w':>8} "
+        f"\n{'contract':<16} {'backend':<30} {'T':>6} {'ms':>8} {'L ms':>8} {'graph ms':>8} {'L':>2} {'TFLOP/s':>8} "
+        f"{'GB/s w':>8} "
         f"{'%floor':>7} "
         f"{'base ms':>8} {'x base':>6} {'x 1st':>6} {'mean err':>8} {'max err':>8} {'e2e mean':>8} {'e2e norm':>8}"
     )
     for r in rows:
         print(
             f"{r['contract']:<16} {r['backend']:<30} {r['tokens']:>6} {r['ms']:>8.3f} "
-            + (f"{'-':>8} {'-':>2}" if math.isnan(r["graph_ms"]) else f"{r['graph_ms']:>8.3f} {r['graph_layers']:>2}")
+            + "".join(f"{'-':>8} " if math.isnan(r[k]) else f"{r[k]:>8.3f} " for k in ("eager_layers_ms", "graph_ms"))
+            + f"{r['graph_layers']:>2}"
             + f" {r['tflops']:>8.0f} "
             f"{r['weight_gbs']:>8.0f} {r['pct_floor']:>6.0f}% {r['baseline_ms']:>8.3f} {r['speedup']:>6.2f} "
             f"{r['vs_first']:>6.2f} "
