@@ -9,6 +9,9 @@ Two modes:
   and tvm_ffi): loads the libraries, checks every case against the drop's fp32 torch reference
   (NaN-poisoned output, fresh random inputs, bitwise repeatability, per-stage diagnostics on
   failure), then times the kernel against a torch._grouped_mm pipeline and prints a table last.
+  Other phases: ``explore`` (timings of the alternative and stage-mask libraries), ``profile`` (a few
+  calls of the ``--profile NAME:T`` libraries, to run under ncu), ``host`` (host time per call of the
+  decode stage-mask libraries ``x_dl_m*``: what each kernel launch costs the host).
 """
 
 from __future__ import annotations
@@ -38,6 +41,18 @@ PERF_TOKENS = [1, 128, 1024, 4096, 16384]
 #: (library, T) that ``--phase profile`` runs a few times (under ncu); ``--profile NAME:T ...`` replaces them
 PROFILE_CASES = [("qwen3-30b-a3b_dec", 1), ("deepseek-v3_dec", 128), ("deepseek-v3_c2", 4096)]
 MAX_TOKENS = 16384
+
+
+#: the layer's prefill profile (128 / 256 / 256, cluster_m 2, FC1 tiled) with later stages left out, and
+#: without PDL: in-situ cost of each stage (`--build --only sm_c2t`, `--phase explore --only MODEL
+#: --tokens 4096`; the masked variants give wrong outputs)
+PREFILL_STAGE_MASKS = {
+    **{
+        f"sm_c2t_m{m}": dict(tile_m=128, fc1_tile_n=256, fc2_tile_n=256, cluster_m=2, fc1_tiled=True, stage_mask=m)
+        for m in (3, 7, 15, 31)
+    },
+    "sm_c2t_nopdl": dict(tile_m=128, fc1_tile_n=256, fc2_tile_n=256, cluster_m=2, fc1_tiled=True, use_pdl=False),
+}
 
 
 def variants() -> list[dict]:
@@ -176,8 +191,9 @@ def variants() -> list[dict]:
         "mask_rg12": dict(tile_m=128, fc1_tile_n=256, fc2_tile_n=256, stage_mask=0b01111),
         # the layer's decode profile (64 / 256 / 128) with later stages left out: per-stage cost of
         # the launch chain at small T (`--phase explore --only x_dl --tokens 0 1 2`; wrong outputs)
-        **{f"dl_m{m}": dict(tile_m=64, fc1_tile_n=256, fc2_tile_n=128, stage_mask=m) for m in (1, 3, 7, 15, 31)},
+        **{f"dl_m{m}": dict(tile_m=64, fc1_tile_n=256, fc2_tile_n=128, stage_mask=m) for m in (0, 1, 3, 7, 15, 31)},
         "dl_nopdl": dict(tile_m=64, fc1_tile_n=256, fc2_tile_n=128, use_pdl=False),
+        **PREFILL_STAGE_MASKS,
         "dl_epidirect": dict(tile_m=64, fc1_tile_n=256, fc2_tile_n=128, epi_direct=True),
     }
     for tag, kw in explore.items():
@@ -199,6 +215,7 @@ def variants() -> list[dict]:
         "c2_mask_rg12": dict(tile_m=128, fc1_tile_n=256, fc2_tile_n=256, cluster_m=2, stage_mask=0b01111),
         "dec256_mask_rg1": dict(tile_m=64, fc1_tile_n=256, fc2_tile_n=128, stage_mask=0b00111),
         "dec256_mask_rg12": dict(tile_m=64, fc1_tile_n=256, fc2_tile_n=128, stage_mask=0b01111),
+        **PREFILL_STAGE_MASKS,
     }
     for tag, kw in explore_ds.items():
         out.append(
@@ -531,6 +548,31 @@ def gpu_main(phase: str, only: str | None) -> int:
             for n in names + [n + "@graph" for n in names]:
                 print(f" {n:28s} " + "".join(f"{res.get((n, t), float('nan')):<11.4f}" for t in PERF_TOKENS))
 
+    if phase == "host":  # host time of one call of each decode stage-mask library (`--build --only x_dl_m`)
+        names = sorted((v["name"] for v in manifest if v["name"].startswith("x_dl_m")), key=lambda n: int(n[6:]))
+        v0 = next(v for v in manifest if v["name"] == names[0])
+        w13, w2 = make_weights(v0, seed=3)
+        x, ids, wts = make_inputs(v0, 1, "uniform", seed=5)
+        out = torch.empty(1, v0["H"], dtype=torch.bfloat16, device=dev)
+        print("host us per call (100 calls queued behind a GPU sleep, median of 5 rounds); stage bits: "
+              "1 routing, 2 row map, 4 FC1, 8 FC2, 16 combine")  # fmt: skip
+        for name in names:
+            lib = Lib(next(v for v in manifest if v["name"] == name), 1)
+            w13p = lib.prep_w13(w13)
+            for _ in range(20):
+                lib(x, ids, wts, w13p, w2, out)
+            torch.cuda.synchronize()
+            samples = []
+            for _ in range(5):
+                torch.cuda._sleep(200_000_000)  # the GPU stays busy, so it never pushes back on the host
+                t0 = time.perf_counter()
+                for _ in range(100):
+                    lib(x, ids, wts, w13p, w2, out)
+                samples.append((time.perf_counter() - t0) / 100 * 1e6)
+                torch.cuda.synchronize()
+            print(f"  {name:12s} mask {lib.v['kw']['stage_mask']:05b}: {sorted(samples)[2]:6.1f} us", flush=True)
+        return 0
+
     if phase == "profile":  # run under ncu: a few calls of two libraries, kernels timed by ncu
         for name, t in PROFILE_CASES:
             v = next(v for v in manifest if v["name"] == name)
@@ -607,7 +649,7 @@ def torch_grouped_pipeline(x, ids, wts, w13, w2):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--build", action="store_true", help="compile + export here (CPU)")
-    ap.add_argument("--phase", default="all", choices=["correct", "explore", "perf", "all", "profile"])
+    ap.add_argument("--phase", default="all", choices=["correct", "explore", "perf", "all", "profile", "host"])
     ap.add_argument("--only", default=None, help="substring filter on variant/model names")
     ap.add_argument("--tokens", type=int, nargs="+", default=None, help="T values of the explore/perf timings")
     ap.add_argument("--profile", nargs="+", default=None, help="--phase profile: NAME:T cases")
