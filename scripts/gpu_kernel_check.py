@@ -470,22 +470,29 @@ def gpu_main(phase: str, only: str | None) -> int:
             torch.cuda.empty_cache()
         print(f"correctness failures: {failures}", flush=True)
 
-    def timed(call, iters: int) -> float:
-        for i in range(3):
-            call(i)
+    def timed_round_robin(calls: dict, iters: int) -> dict:
+        """Median ms of each call, the calls interleaved: round r times every call once, starting at call
+        r (mod their number), so clock and temperature drift over the run reach every call alike (timed
+        one library after the other, two copies of the same library differed by up to 7 % in one run)."""
+        for call in calls.values():
+            for i in range(3):
+                call(i)
         torch.cuda.synchronize()
-        times = []
-        for i in range(iters):
-            st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            st.record()
-            call(i)
-            en.record()
-            en.synchronize()
-            times.append(st.elapsed_time(en))
-        return statistics.median(times)
+        names = list(calls)
+        times = {n: [] for n in names}
+        for r in range(iters):
+            for j in range(len(names)):
+                n = names[(r + j) % len(names)]
+                st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                st.record()
+                calls[n](r)
+                en.record()
+                en.synchronize()
+                times[n].append(st.elapsed_time(en))
+        return {n: statistics.median(ts) for n, ts in times.items()}
 
     def time_libs(model: str, names: list[str], with_base: bool) -> dict:
-        """Median ms of each library (and the torch baseline) at every PERF_TOKENS size."""
+        """Median ms of each library (and the torch baseline) at every PERF_TOKENS size, interleaved."""
         dims = MODELS[model]
         base_v = dict(dims, act="swiglu", limit=None)
         n_wsets = 1 if model == "deepseek-v3" else 2
@@ -500,6 +507,7 @@ def gpu_main(phase: str, only: str | None) -> int:
             ins = [make_inputs(base_v, t, "uniform", seed=77 + s) for s in range(n_in)]
             outs = [torch.empty(t, dims["H"], dtype=torch.bfloat16, device=dev) for _ in range(n_in)]
             iters = 10 if t >= 4096 else 30
+            calls = {}
             for n, lib in libs.items():
                 pw = preps[lib.w13_layout]
 
@@ -507,7 +515,7 @@ def gpu_main(phase: str, only: str | None) -> int:
                     x, ids, wts = ins[i % n_in]
                     lib(x, ids, wts, pw[i % n_wsets], wsets[i % n_wsets][1], outs[i % n_in])
 
-                res[(n, t)] = timed(kcall, iters)
+                calls[n] = kcall
                 if t <= 128:  # decode sizes: also replay a CUDA graph (no host launch overhead)
                     try:
                         graphs = []
@@ -516,7 +524,7 @@ def gpu_main(phase: str, only: str | None) -> int:
                             with torch.cuda.graph(g):
                                 kcall(i)
                             graphs.append(g)
-                        res[(n + "@graph", t)] = timed(lambda i, gs=graphs, n_in=n_in: gs[i % n_in].replay(), iters)
+                        calls[n + "@graph"] = lambda i, gs=graphs, n_in=n_in: gs[i % n_in].replay()
                     except Exception as exc:  # report and keep going
                         print("graph capture failed:", repr(exc)[:300])
             if with_base:
@@ -527,10 +535,13 @@ def gpu_main(phase: str, only: str | None) -> int:
                     torch_grouped_pipeline(x, ids, wts, w13, w2)
 
                 try:
-                    res[("torch", t)] = timed(bcall, iters)
+                    bcall(0)
+                    calls["torch"] = bcall
                 except Exception as exc:  # baseline unavailable: report, keep going
                     print("baseline failed:", repr(exc)[:200])
                     res[("torch", t)] = float("nan")
+            for n, ms in timed_round_robin(calls, iters).items():
+                res[(n, t)] = ms
             print(
                 f"  {model} T={t}: " + " ".join(f"{n}={ms:.3f}" for (n, tt), ms in res.items() if tt == t), flush=True
             )
