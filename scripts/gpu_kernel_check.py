@@ -559,6 +559,39 @@ def gpu_main(phase: str, only: str | None) -> int:
             for n in names + [n + "@graph" for n in names]:
                 print(f" {n:28s} " + "".join(f"{res.get((n, t), float('nan')):<11.4f}" for t in PERF_TOKENS))
 
+    if phase == "footprint":  # one library while the run touches more distinct weight or workspace buffers
+        v = next(v for v in manifest if v["name"] == "qwen3-30b-a3b_c2tiled")
+        wsets = [make_weights(v, seed=10 + s) for s in range(8)]
+        insts = [Lib(v, MAX_TOKENS) for _ in range(4)]  # one library, one workspace each
+        preps = [insts[0].prep_w13(w[0]) for w in wsets]
+        print(f"{v['name']}: median ms of 20 calls per case; cases interleaved in blocks of 4 timed calls after one "
+              "untimed one, so each case runs on its own warm state while drift reaches them alike")  # fmt: skip
+        for t in (4096, 16384):
+            ins = [make_inputs(v, t, "uniform", seed=77 + s) for s in range(4)]
+            outs = [torch.empty(t, v["H"], dtype=torch.bfloat16, device=dev) for _ in range(4)]
+            calls = {}
+            for nw, nl in ((1, 1), (2, 1), (8, 1), (2, 4)):
+
+                def call(i, nw=nw, nl=nl, ins=ins, outs=outs):
+                    x, ids, wts = ins[i % 4]
+                    insts[i % nl](x, ids, wts, preps[i % nw], wsets[i % nw][1], outs[i % 4])
+
+                calls[f"{nw} weight sets, {nl} workspace(s)"] = call
+            times = {label: [] for label in calls}
+            for r in range(5):
+                for label, call in calls.items():
+                    call(4 * r + 3)
+                    for i in range(4 * r, 4 * r + 4):
+                        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        st.record()
+                        call(i)
+                        en.record()
+                        en.synchronize()
+                        times[label].append(st.elapsed_time(en))
+            for label, ts in times.items():
+                print(f"  T={t:6d} {label:28s} {statistics.median(ts):.4f}", flush=True)
+        return 0
+
     if phase == "host":  # host time of one call of each decode stage-mask library (`--build --only x_dl_m`)
         names = sorted((v["name"] for v in manifest if v["name"].startswith("x_dl_m")), key=lambda n: int(n[6:]))
         v0 = next(v for v in manifest if v["name"] == names[0])
@@ -660,7 +693,9 @@ def torch_grouped_pipeline(x, ids, wts, w13, w2):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--build", action="store_true", help="compile + export here (CPU)")
-    ap.add_argument("--phase", default="all", choices=["correct", "explore", "perf", "all", "profile", "host"])
+    ap.add_argument(
+        "--phase", default="all", choices=["correct", "explore", "perf", "all", "profile", "host", "footprint"]
+    )
     ap.add_argument("--only", default=None, help="substring filter on variant/model names")
     ap.add_argument("--tokens", type=int, nargs="+", default=None, help="T values of the explore/perf timings")
     ap.add_argument("--profile", nargs="+", default=None, help="--phase profile: NAME:T cases")
