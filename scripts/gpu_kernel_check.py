@@ -473,7 +473,7 @@ def gpu_main(phase: str, only: str | None) -> int:
     def timed_round_robin(calls: dict, iters: int) -> dict:
         """Median ms of each call, the calls interleaved: round r times every call once, starting at call
         r (mod their number), so clock and temperature drift over the run reach every call alike (timed
-        one library after the other, two copies of the same library differed by up to 7 % in one run)."""
+        one library after the other, two copies of the same library differed by up to 13 % in one run)."""
         for call in calls.values():
             for i in range(3):
                 call(i)
