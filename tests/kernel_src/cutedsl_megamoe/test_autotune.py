@@ -167,3 +167,111 @@ def _run_incumbent(rank: int, world: int) -> dict:
         margin=0.04,
     )
     return {"winner": res.winner}
+
+
+# ------------------------------------------------------------------ confirm: the head-to-head timing
+class DriftingLaunches:
+    """Launches whose time is their own cost plus a drift that accumulates over every launch of any of
+    them (a GPU's clocks or temperature moving during the sweep)."""
+
+    def __init__(self, cost: dict[str, float], drift_per_launch: float) -> None:
+        self.cost, self.drift, self.n, self.prepared = cost, drift_per_launch, 0, []
+
+    def run_candidate(self, name: str) -> at.Launch:
+        self.prepared.append(name)
+
+        def launch(name: str = name) -> float:
+            self.n += 1
+            return self.cost[name] + self.drift * self.n
+
+        return launch
+
+
+def fake_pair_timer(launches, iters: int) -> list[list[float]]:
+    times: list[list[float]] = [[] for _ in launches]
+    for r in range(iters):
+        for j in range(len(launches)):
+            i = (r + j) % len(launches)
+            times[i].append(launches[i]())
+    return times
+
+
+def test_confirm_keeps_the_incumbent_when_its_loss_was_drift() -> None:
+    """Two equal candidates; every launch is a little faster than the one before (the drift), so the one
+    timed later looks 5 % faster in the sweep. Head to head, interleaved, they are equal: the defaults stay."""
+    la = DriftingLaunches({"defaults": 1.0, "later": 1.0}, drift_per_launch=-0.01)
+    res = at.autotune(
+        ["defaults", "later"], la.run_candidate, timer=fake_timer, pair_timer=fake_pair_timer, iters=5,
+        progress=False, incumbent="defaults", margin=0.04, confirm=True,
+    )  # fmt: skip
+    sweep = {r.candidate: r.ms for r in res.table}
+    assert sweep["later"] < sweep["defaults"] * 0.96  # the sweep alone would replace the defaults
+    assert res.winner == "defaults" and res.head_to_head is not None
+    held_ms, challenger_ms = res.head_to_head
+    assert challenger_ms == pytest.approx(held_ms, rel=0.02)
+    assert la.prepared == ["defaults", "later", "defaults", "later"]  # both prepared again for the match
+
+
+def test_confirm_lets_a_real_win_through_and_reports_the_head_to_head_time() -> None:
+    la = DriftingLaunches({"defaults": 1.0, "better": 0.8}, drift_per_launch=0.0)
+    res = at.autotune(
+        ["defaults", "better"], la.run_candidate, timer=fake_timer, pair_timer=fake_pair_timer, iters=4,
+        progress=False, incumbent="defaults", margin=0.04, confirm=True,
+    )  # fmt: skip
+    assert res.winner == "better" and res.winner_ms == pytest.approx(0.8) and res.head_to_head == (1.0, 0.8)
+
+
+def test_confirm_only_runs_when_the_sweep_would_replace_the_incumbent() -> None:
+    for cost in ({"defaults": 1.0, "close": 0.99}, {"defaults": 0.9, "worse": 1.0}):
+        la = DriftingLaunches(cost, drift_per_launch=0.0)
+        res = at.autotune(
+            list(cost), la.run_candidate, timer=fake_timer, pair_timer=fake_pair_timer, iters=3,
+            progress=False, incumbent="defaults", margin=0.04, confirm=True,
+        )  # fmt: skip
+        assert res.winner == "defaults" and res.head_to_head is None and la.prepared == list(cost)
+
+
+def test_confirm_failure_keeps_the_incumbent() -> None:
+    def broken(launches, iters):
+        raise RuntimeError("launch failed")
+
+    la = DriftingLaunches({"defaults": 1.0, "better": 0.5}, drift_per_launch=0.0)
+    res = at.autotune(
+        ["defaults", "better"], la.run_candidate, timer=fake_timer, pair_timer=broken, iters=3,
+        progress=False, incumbent="defaults", margin=0.04, confirm=True,
+    )  # fmt: skip
+    assert res.winner == "defaults" and res.head_to_head == (math.inf, math.inf)
+
+
+@pytest.mark.parametrize("world", [2])
+def test_confirm_decision_and_collectives_are_the_same_on_every_rank(world: int) -> None:
+    """Rank 1's head-to-head fails: every rank keeps the incumbent, after the same number of
+    collectives (two per candidate, two for the head to head)."""
+    results = run_on_local_ranks(_run_confirm, world, timeout_s=120)
+    assert [r["winner"] for r in results] == ["defaults"] * world
+    assert len({r["all_reduce"] for r in results}) == 1 and results[0]["all_reduce"] == 2 * 2 + 2
+
+
+def _run_confirm(rank: int, world: int) -> dict:
+    calls = {"all_reduce": 0}
+    real_all_reduce = dist.all_reduce
+
+    def counting_all_reduce(*a, **k):
+        calls["all_reduce"] += 1
+        return real_all_reduce(*a, **k)
+
+    def pair_timer(launches, iters):
+        if rank == 1:
+            raise RuntimeError("launch failed on rank 1")
+        return fake_pair_timer(launches, iters)
+
+    dist.all_reduce = counting_all_reduce
+    try:
+        la = DriftingLaunches({"defaults": 1.0, "better": 0.5}, drift_per_launch=0.0)
+        res = at.autotune(
+            ["defaults", "better"], la.run_candidate, rank=rank, world_size=world, timer=fake_timer,
+            pair_timer=pair_timer, iters=3, progress=False, incumbent="defaults", margin=0.04, confirm=True,
+        )  # fmt: skip
+    finally:
+        dist.all_reduce = real_all_reduce
+    return {"winner": res.winner, "all_reduce": calls["all_reduce"]}

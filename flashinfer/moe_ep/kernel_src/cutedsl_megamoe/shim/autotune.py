@@ -16,8 +16,16 @@ collectives is identical on all ranks and a failing candidate cannot hang the sw
 argmin of the all-reduced times (first in list order on ties): the same on every rank. With an
 ``incumbent`` (the defaults) it stays the winner unless the argmin beats it by more than ``margin``
 (a fraction): timings closer than the run-to-run spread do not replace the defaults with a candidate
-that is only luckier, so a tuned layer is not slower than the defaults it started from. At world size 1
-no collective is issued. Works with gloo (CPU tensors) and NCCL (CUDA tensors).
+that is only luckier, so a tuned layer is not slower than the defaults it started from.
+
+``confirm``: candidates timed one after the other also differ by the GPU's drift between them (clocks,
+temperature; on an H200 two copies of one kernel library timed that way were up to 13 % apart, TUNING.md
+"Session 11"). So when the sweep says the argmin beats the incumbent by more than the margin, both are
+prepared again and timed head to head, interleaved (``pair_timer``), with the same two collectives
+(failure flag, then ``[failed, incumbent ms, challenger ms]``); the argmin replaces the incumbent only
+if it still wins by more than the margin there. Only for callers whose launches stay valid side by side
+(a fresh ``run_candidate`` must not invalidate an earlier launch). At world size 1 no collective is
+issued. Works with gloo (CPU tensors) and NCCL (CUDA tensors).
 
 A kernel fault that poisons the CUDA context cannot be recovered here: the next collective fails on
 that rank and the error surfaces on all of them.
@@ -37,6 +45,7 @@ import torch
 K = TypeVar("K")
 Launch = Callable[[], Any]
 Timer = Callable[[Launch, int], Sequence[float]]
+PairTimer = Callable[[Sequence[Launch], int], Sequence[Sequence[float]]]
 
 
 class AutotuneError(RuntimeError):
@@ -57,6 +66,9 @@ class AutotuneResult(Generic[K]):
     winner: K
     winner_ms: float
     table: list[CandidateResult[K]] = field(default_factory=list)
+    #: ``confirm``: (incumbent ms, challenger ms) of the head-to-head timing, when one ran (all-reduced;
+    #: inf when it failed on some rank, which keeps the incumbent)
+    head_to_head: tuple[float, float] | None = None
 
 
 def cuda_event_timer(warmup: int = 3) -> Timer:
@@ -74,6 +86,30 @@ def cuda_event_timer(warmup: int = 3) -> Timer:
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
+        return times
+
+    return timer
+
+
+def cuda_event_pair_timer(warmup: int = 3) -> PairTimer:
+    """Times launches interleaved: round r times each once with CUDA events, starting at launch r (mod
+    their number), so drift over the rounds reaches all of them alike. Per-launch ms, one list each."""
+
+    def timer(launches: Sequence[Launch], iters: int) -> list[list[float]]:
+        for launch in launches:
+            for _ in range(warmup):
+                launch()
+        torch.cuda.synchronize()
+        times: list[list[float]] = [[] for _ in launches]
+        for r in range(iters):
+            for j in range(len(launches)):
+                i = (r + j) % len(launches)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                launches[i]()
+                end.record()
+                end.synchronize()
+                times[i].append(start.elapsed_time(end))
         return times
 
     return timer
@@ -104,6 +140,10 @@ class _Progress:
         else:
             print(f"{self.label} [{self.n}/{self.total}] {candidate}: {what}", file=sys.stderr, flush=True)
 
+    def note(self, line: str) -> None:
+        if self.enabled:
+            print(f"{self.label}: {line}", file=sys.stderr, flush=True)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
@@ -130,19 +170,24 @@ def autotune(
     label: str = "autotune",
     incumbent: K | None = None,
     margin: float = 0.0,
+    confirm: bool = False,
+    pair_timer: PairTimer | None = None,
 ) -> AutotuneResult[K]:
     """Time ``candidates`` on every rank of ``group`` in lockstep; return the common winner and the table.
 
     ``run_candidate(c)`` compiles or loads ``c`` and returns its launch; ``timer(launch, iters)`` returns
     per-launch milliseconds (default: CUDA events). Every rank must pass the same candidate list.
     Raises ``AutotuneError`` (on every rank alike) when no candidate survives. ``incumbent`` (one of
-    ``candidates``) wins unless a candidate is faster by more than ``margin`` of its time.
+    ``candidates``) wins unless a candidate is faster by more than ``margin`` of its time; with
+    ``confirm``, also in a head-to-head timing of the two (``pair_timer``, default CUDA events
+    interleaved; see the module docstring).
     """
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin must be in [0, 1), got {margin}")
     import torch.distributed as dist
 
     timer = timer or cuda_event_timer()
+    pair_timer = pair_timer or cuda_event_pair_timer()
     collective = world_size > 1
     device = _flag_device(group) if collective else torch.device("cpu")
 
@@ -183,15 +228,55 @@ def autotune(
             bar.step(cand, row)
     finally:
         bar.close()
+    launch = None  # the last candidate's launch (and what it holds, e.g. a weight layout) is not needed now
 
     best = min((r for r in table if r.ok), key=lambda r: r.ms, default=None)  # min keeps the first tie
     if best is None:
         lines = "\n".join(f"  {r.candidate}: {r.reason}" for r in table)
         raise AutotuneError(f"{label}: no candidate ran on every rank\n{lines}")
     held = next((r for r in table if r.ok and incumbent is not None and r.candidate == incumbent), None)
-    if held is not None and best.ms > held.ms * (1.0 - margin):
-        best = held  # all-reduced times: the same decision on every rank
-    return AutotuneResult(best.candidate, best.ms, table)
+    if held is None or best is held:
+        return AutotuneResult(best.candidate, best.ms, table)
+    if best.ms > held.ms * (1.0 - margin):
+        return AutotuneResult(held.candidate, held.ms, table)  # all-reduced times: the same on every rank
+    if not confirm:
+        return AutotuneResult(best.candidate, best.ms, table)
+
+    # head to head, interleaved: the same two collectives on every rank, whatever fails locally
+    launches, reason = None, ""
+    try:
+        launches = [run_candidate(held.candidate), run_candidate(best.candidate)]
+    except Exception as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+    (any_failed,) = all_max([float(launches is None)])
+    local = [math.inf, math.inf]
+    if not any_failed:
+        try:
+            local = [float(statistics.median(t)) for t in pair_timer(launches, iters)]  # type: ignore[arg-type]
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+    failed, held_ms, best_ms = all_max([float(bool(any_failed) or not all(map(math.isfinite, local))), *local])
+    if failed:
+        held_ms = best_ms = math.inf
+    won = not failed and best_ms <= held_ms * (1.0 - margin)
+    bar.note(
+        f"head to head, interleaved: {incumbent} {held_ms:.4f} ms, {best.candidate} {best_ms:.4f} ms -> "
+        + (f"{best.candidate}" if won else f"keeps {incumbent}" + (f" ({reason or 'failed on another rank'})"
+                                                                    if failed else ""))
+    )  # fmt: skip
+    if won:
+        return AutotuneResult(best.candidate, best_ms, table, (held_ms, best_ms))
+    return AutotuneResult(held.candidate, held.ms, table, (held_ms, best_ms))
 
 
-__all__ = ["AutotuneError", "AutotuneResult", "CandidateResult", "Launch", "Timer", "autotune", "cuda_event_timer"]
+__all__ = [
+    "AutotuneError",
+    "AutotuneResult",
+    "CandidateResult",
+    "Launch",
+    "PairTimer",
+    "Timer",
+    "autotune",
+    "cuda_event_pair_timer",
+    "cuda_event_timer",
+]

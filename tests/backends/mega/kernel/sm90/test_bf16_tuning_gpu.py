@@ -64,6 +64,20 @@ def test_auto_knobs_pick_valid_winners_and_stay_correct(tmp_path: Path, monkeypa
     layer.destroy()
 
 
+def test_pair_timer_times_launches_interleaved() -> None:
+    """The autotune's head-to-head timer (``confirm``): one list of per-launch times per launch, in the
+    launches' order, however the rounds rotate; a launch with 8x the work measures slower."""
+    from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import autotune as at
+
+    a = [torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for n in (1024, 2048)]
+    order = []
+    launches = [lambda: order.append(0) or a[0] @ a[0], lambda: order.append(1) or a[1] @ a[1]]
+    small, large = at.cuda_event_pair_timer(warmup=1)(launches, 6)
+    assert len(small) == len(large) == 6 and min(small) > 0
+    assert sorted(large)[3] > 1.5 * sorted(small)[3]
+    assert order[2:] == [0, 1, 1, 0, 0, 1, 1, 0, 0, 1, 1, 0]  # after one warm-up each: rotating starts
+
+
 COLD_START = r"""
 import sys, time, torch
 import flashinfer.moe_ep as moe

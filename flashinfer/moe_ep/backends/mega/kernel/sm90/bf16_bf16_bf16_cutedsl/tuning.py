@@ -154,7 +154,8 @@ def autotune_profiles(
     rest), every rank in lockstep. ``w13``/``w2``: this rank's weights in natural layouts, on
     ``device``. Records each winner in the knob cache (rank 0) when ``record``. Returns bucket ->
     ``AutotuneResult``. A candidate replaces a bucket's defaults only when it is faster by more than
-    ``margin`` (the defaults are the incumbent, see ``drop.autotune.autotune``)."""
+    ``margin``, in the sweep and again timed head to head against them, interleaved (the defaults are the
+    incumbent, see ``drop.autotune.autotune``)."""
     drop = _drop()
     tuner = drop.tuner
     geometry = make_geometry(config, num_local_experts)
@@ -200,6 +201,7 @@ def autotune_profiles(
                 label=f"autotune {config.kernel_name} {b.name} T={t}",
                 incumbent=incumbent,
                 margin=margin,
+                confirm=True,  # each launch holds its own weights and workspace: two can run side by side
             )
         except drop.autotune.AutotuneError as exc:
             raise MoEEpBackendUnavailableError(str(exc)) from None
