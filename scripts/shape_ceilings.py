@@ -4,8 +4,8 @@
 For a contract and T: FC1 as one dense GEMM [T*k, H] x [H, 2I] (I for relu2) and FC2 as [T*k, I] x
 [I, H], the same FLOPs the layer's FC1 and FC2 do without expert padding. Their TFLOP/s is what the
 vendor library reaches on those aspect ratios (short K for FC2), a ceiling to hold our grouped GEMMs
-against besides the square 8192^3 matmul of ``bench``. Random inputs, two rotating sets, CUDA events,
-median of 10 launches.
+against besides the square 8192^3 matmul of ``bench`` (its ``measure_ceilings``). Random inputs, two
+rotating sets, CUDA events, median of 10 launches (``bench.launch_times_ms``).
 
     source .gpu/env.sh && python scripts/shape_ceilings.py --tokens 4096 16384
 """
@@ -21,22 +21,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from flashinfer.moe_ep.cli.bench import launch_times_ms, measure_ceilings
 from flashinfer.moe_ep.core.contracts import get_contract
 
 
 def median_ms(fn, sets: int, iters: int = 10) -> float:
-    for i in range(sets):
-        fn(i)
-    torch.cuda.synchronize()
-    times = []
-    for i in range(iters):
-        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        st.record()
-        fn(i % sets)
-        en.record()
-        en.synchronize()
-        times.append(st.elapsed_time(en))
-    return statistics.median(times)
+    return statistics.median(launch_times_ms(fn, iters, sets))
 
 
 def main() -> int:
@@ -45,11 +35,8 @@ def main() -> int:
     ap.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384])
     args = ap.parse_args()
     dev = torch.device("cuda")
-    n = 8192
-    sq = [torch.randn(n, n, device=dev, dtype=torch.bfloat16) for _ in range(2)]
-    square = 2 * n**3 / median_ms(lambda i, sq=sq: sq[0] @ sq[1], 1) / 1e9
-    del sq
-    print(f"{torch.cuda.get_device_name()}: square {n}^3 {square:.0f} TFLOP/s")
+    square = measure_ceilings()["matmul_tflops"]  # bench's ceiling: 8192^3 on random data
+    print(f"{torch.cuda.get_device_name()}: square 8192^3 {square:.0f} TFLOP/s")
     print(f"{'contract':16s} {'T':>6s} {'GEMM':5s} {'M x K x N':>22s} {'ms':>8s} {'TFLOP/s':>8s} {'x square':>8s}")
     for name in args.contract:
         c = get_contract(name)
