@@ -90,18 +90,6 @@ class Bf16Frontend(KernelFrontend):
         if k.cluster_m not in (1, 2):
             raise ValueError(f"cluster_m must be 1 or 2, got {k.cluster_m}")
 
-    def glu_kwargs(self) -> dict[str, Any]:
-        """The constructor keywords the world-size-1 and the EP BF16 kernels share."""
-        g, k = self.geometry, self.knobs
-        return {
-            "activation": g.activation,
-            "limit": g.activation_limit,
-            "tile_m": k.tile_m,
-            "fc1_tile_n": k.fc1_tile_n,
-            "fc2_tile_n": k.fc2_tile_n,
-            "num_sms": k.num_sms,
-        }
-
     def _export(self, out_dir: Path, function_name: str) -> Path:
         g, k = self.geometry, self.knobs
         kernel = kh.Sm90MegaMoEBf16Kernel(

@@ -87,6 +87,19 @@ class KernelFrontend(abc.ABC):
         """``BufferSpec``s (name, shape, dtype name) in call order."""
 
     # -- shared -------------------------------------------------------------------------------------
+    def glu_kwargs(self) -> dict[str, Any]:
+        """The constructor keywords every GLU MoE kernel of the drop takes from the geometry and the
+        knobs (BF16 and block-scaled, world size 1 and EP); each frontend adds its own."""
+        g, k = self.geometry, self.knobs
+        return {
+            "activation": g.activation,
+            "limit": g.activation_limit,
+            "tile_m": k.tile_m,
+            "fc1_tile_n": k.fc1_tile_n,
+            "fc2_tile_n": k.fc2_tile_n,
+            "num_sms": k.num_sms,
+        }
+
     @functools.cached_property
     def key(self) -> KernelKey:
         """The cache key (computed once: geometry and knobs are frozen; VENDOR.md and the drop's files are

@@ -102,15 +102,10 @@ class QuantFrontend(KernelFrontend):
     def kernel_kwargs(self) -> dict[str, Any]:
         """The constructor keywords of the drop's block-scaled kernels that this frontend fixes (the
         world-size-1 and the EP kernel share them)."""
-        g, k = self.geometry, self.knobs
+        k = self.knobs
         return {
             "fmt": self.fmt,
-            "activation": g.activation,
-            "limit": g.activation_limit,
-            "tile_m": k.tile_m,
-            "fc1_tile_n": k.fc1_tile_n,
-            "fc2_tile_n": k.fc2_tile_n,
-            "num_sms": k.num_sms,
+            **self.glu_kwargs(),
             "fc1_stages": k.fc1_stages,
             "fc2_stages": k.fc2_stages,
             "swap_ab": k.swap_ab,
