@@ -17,6 +17,7 @@ Two modes:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -264,6 +265,10 @@ def gpu_main(phase: str, only: str | None) -> int:
     import torch
     import tvm_ffi
 
+    from flashinfer.moe_ep.cli.bench import launch_times_ms
+    from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import autotune
+    from scripts.host_overhead import per_call_us
+
     ref_mod = importlib.import_module(f"{DROP}.moe_bf16_glu.reference")
     wmod = importlib.import_module(f"{DROP}.moe_bf16_glu.weights")
     hmod = importlib.import_module(f"{DROP}.common.host_utils")
@@ -471,25 +476,14 @@ def gpu_main(phase: str, only: str | None) -> int:
         print(f"correctness failures: {failures}", flush=True)
 
     def timed_round_robin(calls: dict, iters: int) -> dict:
-        """Median ms of each call, the calls interleaved: round r times every call once, starting at call
-        r (mod their number), so clock and temperature drift over the run reach every call alike (timed
-        one library after the other, two copies of the same library differed by up to 13 % in one run)."""
-        for call in calls.values():
-            for i in range(3):
-                call(i)
-        torch.cuda.synchronize()
-        names = list(calls)
-        times = {n: [] for n in names}
-        for r in range(iters):
-            for j in range(len(names)):
-                n = names[(r + j) % len(names)]
-                st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                st.record()
-                calls[n](r)
-                en.record()
-                en.synchronize()
-                times[n].append(st.elapsed_time(en))
-        return {n: statistics.median(ts) for n, ts in times.items()}
+        """Median ms of each call (``call(i)``, i counting that call's launches), the calls interleaved by
+        the autotune's ``cuda_event_pair_timer``: round r times every call once, starting at call r (mod
+        their number), so clock and temperature drift over the run reach every call alike (timed one
+        library after the other, two copies of the same library differed by up to 13 % in one run)."""
+        counters = [itertools.count() for _ in calls]
+        launches = [lambda c=c, k=k: c(next(k)) for c, k in zip(calls.values(), counters, strict=True)]
+        times = autotune.cuda_event_pair_timer(warmup=3)(launches, iters)
+        return {n: statistics.median(ts) for n, ts in zip(calls, times, strict=True)}
 
     def time_libs(model: str, names: list[str], with_base: bool) -> dict:
         """Median ms of each library (and the torch baseline) at every PERF_TOKENS size, interleaved."""
@@ -564,8 +558,8 @@ def gpu_main(phase: str, only: str | None) -> int:
         wsets = [make_weights(v, seed=10 + s) for s in range(8)]
         insts = [Lib(v, MAX_TOKENS) for _ in range(4)]  # one library, one workspace each
         preps = [insts[0].prep_w13(w[0]) for w in wsets]
-        print(f"{v['name']}: median ms of 20 calls per case; cases interleaved in blocks of 4 timed calls after one "
-              "untimed one, so each case runs on its own warm state while drift reaches them alike")  # fmt: skip
+        print(f"{v['name']}: median ms of 20 calls per case; cases interleaved in blocks of 4 timed calls after 4 "
+              "untimed ones, so each case runs on its own warm state while drift reaches them alike")  # fmt: skip
         for t in (4096, 16384):
             ins = [make_inputs(v, t, "uniform", seed=77 + s) for s in range(4)]
             outs = [torch.empty(t, v["H"], dtype=torch.bfloat16, device=dev) for _ in range(4)]
@@ -580,14 +574,7 @@ def gpu_main(phase: str, only: str | None) -> int:
             times = {label: [] for label in calls}
             for r in range(5):
                 for label, call in calls.items():
-                    call(4 * r + 3)
-                    for i in range(4 * r, 4 * r + 4):
-                        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        st.record()
-                        call(i)
-                        en.record()
-                        en.synchronize()
-                        times[label].append(st.elapsed_time(en))
+                    times[label] += launch_times_ms(lambda i, call=call, r=r: call(4 * r + i), 4, 4)
             for label, ts in times.items():
                 print(f"  T={t:6d} {label:28s} {statistics.median(ts):.4f}", flush=True)
         return 0
@@ -603,18 +590,8 @@ def gpu_main(phase: str, only: str | None) -> int:
         for name in names:
             lib = Lib(next(v for v in manifest if v["name"] == name), 1)
             w13p = lib.prep_w13(w13)
-            for _ in range(20):
-                lib(x, ids, wts, w13p, w2, out)
-            torch.cuda.synchronize()
-            samples = []
-            for _ in range(5):
-                torch.cuda._sleep(200_000_000)  # the GPU stays busy, so it never pushes back on the host
-                t0 = time.perf_counter()
-                for _ in range(100):
-                    lib(x, ids, wts, w13p, w2, out)
-                samples.append((time.perf_counter() - t0) / 100 * 1e6)
-                torch.cuda.synchronize()
-            print(f"  {name:12s} mask {lib.v['kw']['stage_mask']:05b}: {sorted(samples)[2]:6.1f} us", flush=True)
+            us = per_call_us(lambda lib=lib, w13p=w13p: lib(x, ids, wts, w13p, w2, out))
+            print(f"  {name:12s} mask {lib.v['kw']['stage_mask']:05b}: {us:6.1f} us", flush=True)
         return 0
 
     if phase == "profile":  # run under ncu: a few calls of two libraries, kernels timed by ncu
