@@ -9,6 +9,7 @@ is installed); prints a table last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import math
@@ -30,6 +31,7 @@ from ..core.reference_quant import moe_reference_quantized, nvfp4_static_scales,
 from ..errors import MoEEpConfigError
 from ..layer import MoEEpLayer
 from .backends import choose_backend
+from .clocks import ClockSampler, ClockWindow, nvidia_smi_id
 
 DEFAULT_TOKENS = (1, 16, 128, 1024, 4096, 16384)
 DEFAULT_CONTRACTS = ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3")
@@ -81,6 +83,18 @@ def add_parser(sub: Any) -> None:
         "per contract to what fits --graph-memory-gb of extra weights",
     )
     p.add_argument("--graph-memory-gb", type=float, default=48.0, help="weight memory of the extra --graph-layers")
+    p.add_argument(
+        "--sustained-s",
+        type=float,
+        default=1.0,
+        help="also measure the matmul ceiling back to back for this many seconds (the rate under the card's "
+        "power limit, which long timings reach; 0 = skip); the floor and %%floor keep the short-burst ceiling",
+    )
+    p.add_argument(
+        "--no-clocks",
+        action="store_true",
+        help="do not sample the SM clock and power with nvidia-smi during the timings (columns 'MHz' and 'cap')",
+    )
     p.set_defaults(func=run)
 
 
@@ -149,16 +163,53 @@ def graph_layer_count(c: Any, fmt: str, wanted: int, memory_gb: float) -> int:
     return max(1, min(wanted, 1 + int(memory_gb * 1e9 // (2 * per_layer))))
 
 
-def measure_ceilings() -> dict[str, float]:
-    """bf16 matmul TFLOP/s and device copy TB/s, on random data, on this GPU now."""
+def back_to_back_ms(fn: Any, sets: int, seconds: float) -> float:
+    """Mean ms per launch of launches queued back to back (cycling through ``sets`` input sets) for about
+    ``seconds``, one event pair around them all: the GPU never idles, so it runs at the clock its power
+    limit allows under sustained load."""
+    for i in range(sets):
+        fn(i)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    n = 0
+    start.record()
+    while time.perf_counter() - t0 < seconds:
+        fn(n % sets)
+        n += 1
+        if n % 64 == 0:  # keep the launch queue short: one host round trip per 64 launches
+            torch.cuda.current_stream().synchronize()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def _timed_window(clocks: ClockSampler | None, fn: Any) -> tuple[Any, ClockWindow | None]:
+    """``fn()`` and what ``clocks`` sampled while it ran (None without a sampler or samples)."""
+    t0 = time.time()
+    result = fn()
+    t1 = time.time()
+    return result, (clocks.window(t0, t1) if clocks is not None else None)
+
+
+def measure_ceilings(sustained_s: float = 0.0, clocks: ClockSampler | None = None) -> dict[str, Any]:
+    """bf16 matmul TFLOP/s and device copy TB/s, on random data, on this GPU now: the matmul as ten
+    launches one at a time (a short burst, at the card's top clock), and with ``sustained_s`` also back to
+    back for that long (``matmul_sustained_tflops``: at the clock the power limit allows). With
+    ``clocks``, what it sampled during each matmul timing (``matmul_clocks``, ``matmul_sustained_clocks``)."""
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    ms = _time_ms(lambda i: a @ b, 10, 1)
+    ms, win = _timed_window(clocks, lambda: _time_ms(lambda i: a @ b, 10, 1))
+    out: dict[str, Any] = {"matmul_clocks": win}
+    if sustained_s > 0:
+        time.sleep(0.2)  # the burst's samples stay out of the next window
+        ms_b2b, win = _timed_window(clocks, lambda: back_to_back_ms(lambda i: a @ b, 1, sustained_s))
+        out.update(matmul_sustained_tflops=2 * n**3 / ms_b2b / 1e9, matmul_sustained_clocks=win)
     src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)  # 1 GiB
     dst = torch.empty_like(src)
     copy_ms = _time_ms(lambda i: dst.copy_(src), 10, 1)
-    return {"matmul_tflops": 2 * n**3 / ms / 1e9, "copy_tbs": 2 * src.numel() * 2 / copy_ms / 1e9}
+    return {"matmul_tflops": 2 * n**3 / ms / 1e9, "copy_tbs": 2 * src.numel() * 2 / copy_ms / 1e9, **out}
 
 
 def _quantized_pack(w13: torch.Tensor, w2: torch.Tensor, fmt: str) -> tuple[Any, MoEWeightPack]:
@@ -241,10 +292,13 @@ def bench_contract(
     prequantized: bool = False,
     graph_layers: int = 1,
     graph_memory_gb: float = 48.0,
+    clocks: ClockSampler | None = None,
 ) -> list[dict[str, Any]]:
     """Every backend of ``entries`` (with ``knobs[i]``) on the same inputs, one after the other (one layer
     alive at a time); the ``torch._grouped_mm`` baseline once per T. Quantized backends get the BF16 weights quantized
-    (NVFP4 with static activation scales calibrated on a batch of the same distribution)."""
+    (NVFP4 with static activation scales calibrated on a batch of the same distribution). With ``clocks``,
+    each row holds the median SM clock sampled while ``ms`` was timed and whether the power limit held
+    it down (``sm_mhz``, ``power_capped``; NaN / empty when no sample fell in that window)."""
     c = get_contract(name)
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(1234)
@@ -295,7 +349,7 @@ def bench_contract(
                     s.hidden_states, s.topk_ids, s.topk_weights, w13_t, w2_t, c.activation, c.activation_limit
                 )
 
-            ours = _time_ms(ours_fn, iters, sets)
+            ours, win = _timed_window(clocks, lambda ours_fn=ours_fn: _time_ms(ours_fn, iters, sets))
             graph_ms = eager_layers_ms = float("nan")
             fns = [ours_fn] + [
                 lambda i, lay=lay, feed=feed, outs=outs: lay.forward(feed[i], output=outs[i]) for lay in more_layers
@@ -328,6 +382,8 @@ def bench_contract(
                 "pct_floor": 100 * floor_ms / ours,
                 "speedup": base / ours,
                 "vs_first": first_ms[t] / ours,
+                "sm_mhz": win.sm_mhz_median if win else float("nan"),
+                "power_capped": "" if win is None else ("yes" if win.power_capped else "no"),
                 "mean_err": float("nan"),
                 "max_err": float("nan"),
                 "ulps": float("nan"),
@@ -363,7 +419,9 @@ def bench_contract(
                 )
                 + f" ({row['tflops']:.0f} TFLOP/s, "
                 f"{row['pct_floor']:.0f}% of floor), baseline {base:.3f} ms, x{row['speedup']:.2f}, "
-                f"x{row['vs_first']:.2f} vs {labels[0]}, " + _describe_errors(row),
+                f"x{row['vs_first']:.2f} vs {labels[0]}, "
+                + _describe_errors(row)
+                + ("" if win is None else f", {_clock_text(win)}"),
                 flush=True,
             )
         layer.destroy()
@@ -418,6 +476,12 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> bool:
     return True
 
 
+def _clock_text(win: ClockWindow | None) -> str:
+    if win is None:
+        return "no clock sample"
+    return f"SM {win.sm_mhz_median:.0f} MHz" + (", power-capped" if win.power_capped else "")
+
+
 def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise MoEEpConfigError("bench needs a CUDA GPU (run it on the H200 machine; see SKILL.md)")
@@ -429,28 +493,41 @@ def run(args: argparse.Namespace) -> int:
             print(f"note: {note}")
         entries.append(entry)
     knobs = parse_knobs(args.knobs, len(entries))
-    ceilings = measure_ceilings()
-    print(
-        f"bench on {torch.cuda.get_device_name()}: ceilings {ceilings['matmul_tflops']:.0f} TFLOP/s bf16 matmul, "
-        f"{ceilings['copy_tbs']:.2f} TB/s copy; backends {', '.join(e.kernel_name for e in entries)}",
-        flush=True,
-    )
-    rows = []
-    for name in args.contract:
-        rows += bench_contract(
-            name,
-            args.tokens,
-            entries,
-            knobs,
-            args.sets,
-            args.iters,
-            not args.no_check,
-            ceilings,
-            args.graph_max_tokens,
-            args.prequantized,
-            args.graph_layers,
-            args.graph_memory_gb,
+    with contextlib.ExitStack() as stack:
+        clocks = None
+        if not args.no_clocks:
+            clocks = stack.enter_context(ClockSampler(nvidia_smi_id(dev.index or 0), period_ms=10))
+            if clocks.error:
+                print(f"note: no clock samples ({clocks.error})")
+                clocks = None
+        ceilings = measure_ceilings(args.sustained_s, clocks)
+        sustained = ""
+        if "matmul_sustained_tflops" in ceilings:
+            sustained = f" ({ceilings['matmul_sustained_tflops']:.0f} back to back for {args.sustained_s:g} s"
+            sustained += f": {_clock_text(ceilings['matmul_sustained_clocks'])})"
+        print(
+            f"bench on {torch.cuda.get_device_name()}: ceilings {ceilings['matmul_tflops']:.0f} TFLOP/s bf16 matmul "
+            f"({_clock_text(ceilings['matmul_clocks'])}){sustained}, {ceilings['copy_tbs']:.2f} TB/s copy; "
+            f"backends {', '.join(e.kernel_name for e in entries)}",
+            flush=True,
         )
+        rows = []
+        for name in args.contract:
+            rows += bench_contract(
+                name,
+                args.tokens,
+                entries,
+                knobs,
+                args.sets,
+                args.iters,
+                not args.no_check,
+                ceilings,
+                args.graph_max_tokens,
+                args.prequantized,
+                args.graph_layers,
+                args.graph_memory_gb,
+                clocks,
+            )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "bench.csv", "w", newline="") as f:
@@ -463,7 +540,8 @@ def run(args: argparse.Namespace) -> int:
         f"\n{'contract':<16} {'backend':<30} {'T':>6} {'ms':>8} {'L ms':>8} {'graph ms':>8} {'L':>2} {'TFLOP/s':>8} "
         f"{'GB/s w':>8} "
         f"{'%floor':>7} "
-        f"{'base ms':>8} {'x base':>6} {'x 1st':>6} {'mean err':>8} {'max err':>8} {'e2e mean':>8} {'e2e norm':>8}"
+        f"{'base ms':>8} {'x base':>6} {'x 1st':>6} {'mean err':>8} {'max err':>8} {'e2e mean':>8} {'e2e norm':>8} "
+        f"{'MHz':>5} {'cap':>3}"
     )
     for r in rows:
         print(
@@ -479,6 +557,8 @@ def run(args: argparse.Namespace) -> int:
                 if math.isnan(r["e2e_mean_err"])
                 else f" {r['e2e_mean_err']:>8.1e} {r['e2e_norm_err']:>8.1e}"
             )
+            + (f" {'-':>5}" if math.isnan(r["sm_mhz"]) else f" {r['sm_mhz']:>5.0f}")
+            + f" {r['power_capped'] or '-':>3}"
         )
     sys.stdout.flush()
     return 0
