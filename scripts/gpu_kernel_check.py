@@ -196,6 +196,12 @@ def variants() -> list[dict]:
         "dl_nopdl": dict(tile_m=64, fc1_tile_n=256, fc2_tile_n=128, use_pdl=False),
         **PREFILL_STAGE_MASKS,
         "dl_epidirect": dict(tile_m=64, fc1_tile_n=256, fc2_tile_n=128, epi_direct=True),
+        # the decode and prefill profiles with the drop v18 aux grids (full) and sized ones (drop v19's default)
+        "sg_dl": dict(tile_m=64, fc1_tile_n=256, fc2_tile_n=128, fc1_tiled=True, sized_grids=False),
+        "sg_dl_on": dict(tile_m=64, fc1_tile_n=256, fc2_tile_n=128, fc1_tiled=True),
+        "sg_dl_f2n256": dict(tile_m=64, fc1_tile_n=256, fc2_tile_n=256, fc1_tiled=True),
+        "sg_c2t": dict(tile_m=128, fc1_tile_n=256, fc2_tile_n=256, cluster_m=2, fc1_tiled=True, sized_grids=False),
+        "sg_c2t_on": dict(tile_m=128, fc1_tile_n=256, fc2_tile_n=256, cluster_m=2, fc1_tiled=True),
     }
     for tag, kw in explore.items():
         out.append(
@@ -544,7 +550,9 @@ def gpu_main(phase: str, only: str | None) -> int:
     if phase in ("explore", "all"):
         for model in MODELS:
             xs = [v["name"] for v in manifest if v["role"] in ("explore", "compare") and v["model"] == model]
-            if not xs or (only and only not in model):
+            if only and only not in model:  # a variant filter: only those variants (and the references)
+                xs = [n for n in xs if only in n]
+            if not xs:
                 continue
             print(f"== explore ({model}) ==", flush=True)
             names = [f"{model}_main", f"{model}_c2", f"{model}_dec", *xs]

@@ -5,8 +5,9 @@ by expert (expert-major) and each expert's segment is padded to a multiple of ``
 GEMM M tile never straddles two experts. Padding rows hold stale data: the GEMMs compute them
 (rows are independent) and nothing reads their results.
 
-Routing scales with T: ``route_kernel`` (many CTAs: smem histograms, one global atomic per CTA
-and expert, the last CTA does the padded scan and the M-block map) and ``gather_kernel``, which
+Routing scales with T: ``route_kernel`` (one CTA per 128 pairs up to one per SM: smem histograms, one
+global atomic per CTA and expert, the last CTA does the padded scan and the M-block map; a single CTA,
+at T * K <= 128, scans its own histogram) and ``gather_kernel``, which
 turns each pair's in-CTA rank into its final row while it copies the token, or ``row_map_kernel``,
 which only records the rows (pair -> row and row -> token) when FC1 gathers its own A rows.
 """
@@ -21,6 +22,8 @@ from ..common import constants
 #: the pair table pairs M blocks by expert when the non-empty experts have at most this many blocks on
 #: average (few blocks per expert: many pairs would straddle two experts), else adjacent blocks
 PAIR_BY_EXPERT_MAX_BLOCKS = 2
+#: pairs per routing CTA when the grid is sized to the pairs (``launch_ctas``): at most ``num_sms`` CTAs
+ROUTE_PAIRS_PER_CTA = 128
 
 # meta[] slots written by the routing kernel.
 META_NUM_M_BLOCKS = 0
@@ -42,12 +45,14 @@ def route_kernel(
     block_multiple: cutlass.Constexpr[int],
     pair_by_expert: cutlass.Constexpr[bool],
 ):
-    """Routing in one launch (grid G1, ROUTING_THREADS threads).
+    """Routing in one launch (grid G1 <= the rows of ``cta_base``, ROUTING_THREADS threads; the
+    gathers take G1 as ``num_route_ctas``).
 
     Every CTA builds a smem histogram of a contiguous chunk of pairs (ranks from smem atomics) and
     reserves its slots in each expert segment with one global atomic per (CTA, expert). The last
     CTA to finish (done-counter) runs the padded exclusive scan over the experts, writes the
-    M-block map and re-zeroes the counters for the next call.
+    M-block map and re-zeroes the counters for the next call. A grid of one CTA skips the global
+    counters: its histogram is the counts (``expert_count`` stays zero).
 
     Slot order depends on atomic order; the GEMM result of a row does not depend on its position,
     so the final output stays bitwise deterministic.
@@ -73,26 +78,53 @@ def route_kernel(
         e = ids_flat[p]
         pair_rank[p] = cute.arch.atomic_add((s_hist.iterator + e).llvm_ptr, cutlass.Int32(1))
     cute.arch.sync_threads()
-    if tid < num_experts:
-        c = s_hist[tid]
-        if c > 0:
-            cta_base[bid, tid] = cute.arch.atomic_add(
-                (expert_count.iterator + tid).llvm_ptr, c, sem="relaxed", scope="gpu"
-            )
-    # Publish our reservations, then count this CTA as done; the last one does the scan.
-    cute.arch.fence_acq_rel_gpu()
-    cute.arch.sync_threads()
-    if tid == 0:
-        done = cute.arch.atomic_add(
-            (expert_count.iterator + num_experts).llvm_ptr, cutlass.Int32(1), sem="acq_rel", scope="gpu"
-        )
-        s_flag[0] = done
-    cute.arch.sync_threads()
-    if s_flag[0] == nblk - 1:
-        cute.arch.fence_acq_rel_gpu()
+    if nblk == 1:
+        # One CTA holds every pair (small T with a grid sized to the pairs): its histogram is the
+        # expert counts, so no global reservations, done-counter or count reloads (three dependent
+        # round trips to L2 on the path of every later kernel).
+        cnt = cutlass.Int32(0)
+        if tid < num_experts:
+            cnt = s_hist[tid]
+            if cnt > 0:
+                cta_base[0, tid] = cutlass.Int32(0)
         _scan_experts(
-            expert_count, expert_off, m_block_expert, meta, s_hist, num_experts, tile_m, block_multiple, pair_by_expert
+            cnt, expert_off, m_block_expert, meta, s_hist, num_experts, tile_m, block_multiple, pair_by_expert
         )
+    else:
+        if tid < num_experts:
+            c = s_hist[tid]
+            if c > 0:
+                cta_base[bid, tid] = cute.arch.atomic_add(
+                    (expert_count.iterator + tid).llvm_ptr, c, sem="relaxed", scope="gpu"
+                )
+        # Publish our reservations, then count this CTA as done; the last one does the scan.
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.sync_threads()
+        if tid == 0:
+            done = cute.arch.atomic_add(
+                (expert_count.iterator + num_experts).llvm_ptr, cutlass.Int32(1), sem="acq_rel", scope="gpu"
+            )
+            s_flag[0] = done
+        cute.arch.sync_threads()
+        if s_flag[0] == nblk - 1:
+            cute.arch.fence_acq_rel_gpu()
+            cnt = cutlass.Int32(0)
+            if tid < num_experts:
+                cnt = cute.arch.load((expert_count.iterator + tid).llvm_ptr, cutlass.Int32, sem="relaxed", scope="gpu")
+                expert_count[tid] = cutlass.Int32(0)
+            if tid == 0:
+                expert_count[num_experts] = cutlass.Int32(0)  # re-zeroed for the next call
+            _scan_experts(
+                cnt, expert_off, m_block_expert, meta, s_hist, num_experts, tile_m, block_multiple, pair_by_expert
+            )
+
+
+def launch_ctas(items, per_cta: int, max_ctas: int):
+    """CTAs for a grid-stride kernel over ``items`` (dynamic): one per ``per_cta`` items, at least one (T = 0),
+    at most ``max_ctas``. At small T the routing, row-map and combine grids shrink to a CTA or a few, so they
+    are resident at once: a dependent launch waits until every CTA of its primary has started, and a full
+    aux grid (8 per SM) next to the routing CTAs did not fit (measured, TUNING.md "Session 12")."""
+    return cutlass.min(cutlass.max((items + (per_cta - 1)) // per_cta, 1), max_ctas)
 
 
 def chunk_size(num_pairs, num_ctas):
@@ -131,7 +163,7 @@ def _cta_inclusive_scan(v: cutlass.Int32, s_scan: cute.Tensor, tid: cutlass.Int3
 
 @cute.jit
 def _scan_experts(
-    expert_count: cute.Tensor,
+    cnt: cutlass.Int32,  # this thread's expert's pair count (0 for threads >= num_experts)
     expert_off: cute.Tensor,
     m_block_expert: cute.Tensor,
     meta: cute.Tensor,
@@ -141,7 +173,7 @@ def _scan_experts(
     block_multiple: cutlass.Constexpr[int],
     pair_by_expert: cutlass.Constexpr[bool],
 ):
-    """Padded exclusive scan over the experts (one per thread) by the last routing CTA.
+    """Padded exclusive scan over the experts (one per thread, its count ``cnt``) by the last routing CTA.
 
     With ``block_multiple = 2`` (GEMM clusters of two M blocks) an odd block count gets one
     phantom block after the last: expert 0, no real rows, so a cluster's second CTA reads a
@@ -150,12 +182,6 @@ def _scan_experts(
     """
     nthr = constants.ROUTING_THREADS
     tid, _, _ = cute.arch.thread_idx()
-    cnt = cutlass.Int32(0)
-    if tid < num_experts:
-        cnt = cute.arch.load((expert_count.iterator + tid).llvm_ptr, cutlass.Int32, sem="relaxed", scope="gpu")
-        expert_count[tid] = cutlass.Int32(0)
-    if tid == 0:
-        expert_count[num_experts] = cutlass.Int32(0)
     # Segments padded to tile_m: a GEMM M tile never straddles two experts.
     padded = (cnt + (tile_m - 1)) // tile_m * tile_m
     incl = _cta_inclusive_scan(padded, s_scan, tid)  # s_scan aliases the histogram, read above
@@ -287,7 +313,7 @@ def gather_kernel(
     cta_base: cute.Tensor,  # (G1, E) int32
     pair_row: cute.Tensor,  # (>= T*K,) int32 out: final row of each pair
     a_buf: cute.Tensor,  # (M_cap, H) bf16
-    num_route_ctas: cutlass.Constexpr[int],
+    num_route_ctas: cutlass.Int32,  # the routing kernel's grid (its chunking)
     vpt: cutlass.Constexpr[int],
 ):
     """Final rows of the pairs, and a_buf[row] = x[token].
@@ -332,7 +358,7 @@ def row_map_kernel(
     cta_base: cute.Tensor,  # (G1, E) int32
     pair_row: cute.Tensor,  # (>= T*K,) int32 out: final row of each pair
     row_token: cute.Tensor,  # (>= M_cap,) int32 out: token of each real row (padding rows untouched)
-    num_route_ctas: cutlass.Constexpr[int],
+    num_route_ctas: cutlass.Int32,  # the routing kernel's grid (its chunking)
 ):
     """The gather's bookkeeping without its copy: ``pair_row[p]`` and ``row_token[pair_row[p]] = p // K``
     for every pair p, so FC1 can load its A rows from ``x`` itself (``GroupedGemmSm90(gather_a=True)``)."""

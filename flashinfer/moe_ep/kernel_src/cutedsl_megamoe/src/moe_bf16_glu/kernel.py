@@ -2,8 +2,9 @@
 
 ``__call__`` enqueues five kernels on the stream with no host synchronization:
 
-1. routing (G1 = num_sms CTAs): per-CTA expert histograms and slot reservations; the last CTA
-   computes the padded per-expert offsets, the expert of every M block and the block count;
+1. routing (G1 CTAs, one per 128 pairs up to num_sms): per-CTA expert histograms and slot
+   reservations; the last CTA computes the padded per-expert offsets, the expert of every M block
+   and the block count (a single CTA, at T * K <= 128, straight from its histogram);
 2. row map: final row of every (token, k) pair (``pair_row``) and the token of every real row
    (``row_token``, held in the first 4 * M_cap bytes of ``a_buf`` until FC2 overwrites it);
    with ``gather_in_fc1=False`` the gather instead: ``a_buf[row] = x[token]``;
@@ -60,6 +61,11 @@ class Sm90MegaMoEBf16Kernel:
         instead of from a gathered copy in ``a_buf``: the gather kernel's copy (T * top_k rows written,
         then read back) becomes a row map of 8 bytes per pair. Measured on H200 (TUNING.md, drop v18):
         2-9 % faster at T <= 1024 and on qwen3 prefill, within 1-2.5 % slower on deepseek-v3 prefill.
+    :param sized_grids: the routing, row-map / gather and combine grids sized to the work (one CTA per
+        128 pairs, 256 pairs, 256 thread items; at most num_sms, 8 * num_sms, 8 * num_sms CTAs) instead
+        of always the largest. Measured on H200 (TUNING.md, drop v19): at T = 1 the full aux grids do
+        not fit beside the routing CTAs, which holds back every later launch; sized, the qwen3-30b-a3b
+        decode chain is 1.8-5 us shorter in graphs at T = 1..8 and even at prefill. False: drop v18.
     :param stage_mask: debugging/profiling only: bit i enables stage i (routing, gather, FC1,
         FC2, combine); anything but 0b11111 gives wrong results (and masking out routing leaves
         ``expert_count`` non-zero).
@@ -87,7 +93,9 @@ class Sm90MegaMoEBf16Kernel:
         fc1_tiled: bool = False,
         gather_in_fc1: bool = True,
         stage_mask: int = 0b11111,
+        sized_grids: bool = True,
     ) -> None:
+        self.sized_grids = sized_grids
         if activation not in constants.ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}")
         self.activation = activation
@@ -108,7 +116,15 @@ class Sm90MegaMoEBf16Kernel:
         self.fc1_tiled = fc1_tiled
         self.gather_in_fc1 = gather_in_fc1
         self.fc1 = GroupedGemmSm90(
-            tile_m, fc1_tile_n, activation, limit, num_sms, fc1_stages, epi_direct, cluster_m, pair_by_expert,
+            tile_m,
+            fc1_tile_n,
+            activation,
+            limit,
+            num_sms,
+            fc1_stages,
+            epi_direct,
+            cluster_m,
+            pair_by_expert,
             gather_a=gather_in_fc1,
         )
         self.fc2 = GroupedGemmSm90(
@@ -151,6 +167,17 @@ class Sm90MegaMoEBf16Kernel:
     ):
         num_experts = w13.shape[0]
         pdl = self.use_pdl
+        num_tokens, top_k = topk_ids.shape[0], topk_ids.shape[1]
+        num_pairs = num_tokens * top_k
+        # Grids of the routing, row-map / gather and combine kernels (see aux_kernels.launch_ctas).
+        route_ctas, map_ctas, combine_ctas = self.num_sms, self.aux_grid, self.aux_grid
+        if cutlass.const_expr(self.sized_grids):
+            items = num_tokens * (x.shape[1] // (constants.BF16_PER_16B * self.aux_vpt))  # gather / combine
+            route_ctas = aux_kernels.launch_ctas(num_pairs, aux_kernels.ROUTE_PAIRS_PER_CTA, self.num_sms)
+            map_ctas = aux_kernels.launch_ctas(
+                num_pairs if self.gather_in_fc1 else items, self.aux_threads, self.aux_grid
+            )
+            combine_ctas = aux_kernels.launch_ctas(items, self.aux_threads, self.aux_grid)
         if cutlass.const_expr(self.stage_mask & 1):
             aux_kernels.route_kernel(
                 topk_ids,
@@ -165,7 +192,7 @@ class Sm90MegaMoEBf16Kernel:
                 self.cluster_m,
                 self.pair_by_expert,
             ).launch(
-                grid=[self.num_sms, 1, 1],
+                grid=[route_ctas, 1, 1],
                 block=[constants.ROUTING_THREADS, 1, 1],
                 stream=stream,
                 use_pdl=pdl,
@@ -177,18 +204,18 @@ class Sm90MegaMoEBf16Kernel:
         if cutlass.const_expr(self.stage_mask & 2):
             if cutlass.const_expr(self.gather_in_fc1):
                 aux_kernels.row_map_kernel(
-                    topk_ids, pair_rank, expert_off, cta_base, pair_row, row_token, self.num_sms
+                    topk_ids, pair_rank, expert_off, cta_base, pair_row, row_token, route_ctas
                 ).launch(
-                    grid=[self.aux_grid, 1, 1],
+                    grid=[map_ctas, 1, 1],
                     block=[self.aux_threads, 1, 1],
                     stream=stream,
                     use_pdl=pdl,
                 )
             else:
                 aux_kernels.gather_kernel(
-                    x, topk_ids, pair_rank, expert_off, cta_base, pair_row, a_buf, self.num_sms, self.aux_vpt
+                    x, topk_ids, pair_rank, expert_off, cta_base, pair_row, a_buf, route_ctas, self.aux_vpt
                 ).launch(
-                    grid=[self.aux_grid, 1, 1],
+                    grid=[map_ctas, 1, 1],
                     block=[self.aux_threads, 1, 1],
                     stream=stream,
                     use_pdl=pdl,
@@ -200,7 +227,7 @@ class Sm90MegaMoEBf16Kernel:
             self.fc2.launch(h_buf, self._expert_major_view(w2), a_buf, m_block_expert, meta, stream, pdl)
         if cutlass.const_expr(self.stage_mask & 16):
             aux_kernels.combine_kernel(a_buf, pair_row, topk_weights, out, topk_ids.shape[1], self.aux_vpt).launch(
-                grid=[self.aux_grid, 1, 1],
+                grid=[combine_ctas, 1, 1],
                 block=[self.aux_threads, 1, 1],
                 stream=stream,
                 use_pdl=pdl,

@@ -34,7 +34,7 @@ def quant_gather_kernel(
     pair_row: cute.Tensor,  # out: final row of each pair
     a_buf: cute.Tensor,  # (M_cap, H) bf16: dequantized activations
     act_gscale: cute.Tensor,  # (2,) fp32: NVFP4 global scales of x and of the FC2 input
-    num_route_ctas: cutlass.Constexpr[int],
+    num_route_ctas: cutlass.Int32,  # the routing kernel's grid (its chunking)
     fmt: cutlass.Constexpr[str],
 ):
     hidden = x.shape[1]
@@ -70,7 +70,7 @@ def dequant_gather_kernel(
     cta_base: cute.Tensor,
     pair_row: cute.Tensor,  # out: final row of each pair
     a_buf: cute.Tensor,  # (M_cap, H) bf16: dequantized activations
-    num_route_ctas: cutlass.Constexpr[int],
+    num_route_ctas: cutlass.Int32,  # the routing kernel's grid (its chunking)
     fmt: cutlass.Constexpr[str],
 ):
     """Pre-quantized activations: each item of 32 elements dequantized exactly (MXFP8 ``e4m3 *

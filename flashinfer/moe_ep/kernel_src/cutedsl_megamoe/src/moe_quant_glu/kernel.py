@@ -12,6 +12,8 @@
 4. FC2 the same way -> ``a_buf`` reused as y [M_cap, H] bf16;
 5. combine (the BF16 kernel's): ``out[t] = bf16(sum_k w[t,k] * y)``, k in order.
 
+The routing, gather and combine grids are sized to the work, as the BF16 kernel's ``sized_grids``.
+
 The reference semantics are ``flashinfer.moe_ep.core.reference_quant`` with static NVFP4 activation
 global scales (``act_gscale = [input scale, FC2 input scale]``; MXFP8 ignores them).
 """
@@ -21,7 +23,7 @@ import cutlass.cute as cute
 
 from ..common import constants
 from ..moe_bf16_glu import aux_kernels
-from .aux_kernels import dequant_gather_kernel, quant_gather_kernel
+from .aux_kernels import ITEM, dequant_gather_kernel, quant_gather_kernel
 from .dequant_gemm import DequantGroupedGemmSm90
 from .swap_gemm import SwapDequantGemmSm90
 
@@ -116,6 +118,12 @@ class Sm90MegaMoEQuantKernel:
     ):
         num_experts = w13.shape[0]
         pdl = self.use_pdl
+        num_tokens, top_k = topk_ids.shape[0], topk_ids.shape[1]
+        # Grids sized to the work (moe_bf16_glu.aux_kernels.launch_ctas): one CTA or a few at small T.
+        route_ctas = aux_kernels.launch_ctas(num_tokens * top_k, aux_kernels.ROUTE_PAIRS_PER_CTA, self.num_sms)
+        gather_ctas = aux_kernels.launch_ctas(num_tokens * (out.shape[1] // ITEM), self.aux_threads, self.aux_grid)
+        combine_items = num_tokens * (out.shape[1] // (constants.BF16_PER_16B * self.aux_vpt))
+        combine_ctas = aux_kernels.launch_ctas(combine_items, self.aux_threads, self.aux_grid)
         aux_kernels.route_kernel(
             topk_ids,
             pair_rank,
@@ -128,20 +136,20 @@ class Sm90MegaMoEQuantKernel:
             self.tile_m,
             1,
             False,
-        ).launch(grid=[self.num_sms, 1, 1], block=[constants.ROUTING_THREADS, 1, 1], stream=stream, use_pdl=pdl)
+        ).launch(grid=[route_ctas, 1, 1], block=[constants.ROUTING_THREADS, 1, 1], stream=stream, use_pdl=pdl)
         if cutlass.const_expr(self.prequantized):
             gather = dequant_gather_kernel(
-                x, x_scale, topk_ids, pair_rank, expert_off, cta_base, pair_row, a_buf, self.num_sms, self.fmt
+                x, x_scale, topk_ids, pair_rank, expert_off, cta_base, pair_row, a_buf, route_ctas, self.fmt
             )
         else:
             gather = quant_gather_kernel(
-                x, topk_ids, pair_rank, expert_off, cta_base, pair_row, a_buf, act_gscale, self.num_sms, self.fmt
+                x, topk_ids, pair_rank, expert_off, cta_base, pair_row, a_buf, act_gscale, route_ctas, self.fmt
             )
-        gather.launch(grid=[self.aux_grid, 1, 1], block=[self.aux_threads, 1, 1], stream=stream, use_pdl=pdl)
+        gather.launch(grid=[gather_ctas, 1, 1], block=[self.aux_threads, 1, 1], stream=stream, use_pdl=pdl)
         self.fc1.launch(a_buf, w13, w13_scale, h_buf, m_block_expert, meta, w13_gscale, act_gscale, stream, pdl)
         self.fc2.launch(h_buf, w2, w2_scale, a_buf, m_block_expert, meta, w2_gscale, act_gscale, stream, pdl)
         aux_kernels.combine_kernel(a_buf, pair_row, topk_weights, out, topk_ids.shape[1], self.aux_vpt).launch(
-            grid=[self.aux_grid, 1, 1], block=[self.aux_threads, 1, 1], stream=stream, use_pdl=pdl
+            grid=[combine_ctas, 1, 1], block=[self.aux_threads, 1, 1], stream=stream, use_pdl=pdl
         )
 
 
