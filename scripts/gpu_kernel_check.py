@@ -202,6 +202,8 @@ def variants() -> list[dict]:
         "sg_dl_f2n256": dict(tile_m=64, fc1_tile_n=256, fc2_tile_n=256, fc1_tiled=True),
         "sg_c2t": dict(tile_m=128, fc1_tile_n=256, fc2_tile_n=256, cluster_m=2, fc1_tiled=True, sized_grids=False),
         "sg_c2t_on": dict(tile_m=128, fc1_tile_n=256, fc2_tile_n=256, cluster_m=2, fc1_tiled=True),
+        # the decode profile with FC1 tiles (and layout) of 128: twice the FC1 CTAs at T = 1
+        "sg_dl128t": dict(tile_m=64, fc1_tile_n=128, fc2_tile_n=128, fc1_tiled=True),
     }
     for tag, kw in explore.items():
         out.append(
@@ -223,6 +225,8 @@ def variants() -> list[dict]:
         "dec256_mask_rg1": dict(tile_m=64, fc1_tile_n=256, fc2_tile_n=128, stage_mask=0b00111),
         "dec256_mask_rg12": dict(tile_m=64, fc1_tile_n=256, fc2_tile_n=128, stage_mask=0b01111),
         **PREFILL_STAGE_MASKS,
+        "sg_dl_on": dict(tile_m=64, fc1_tile_n=256, fc2_tile_n=128, fc1_tiled=True),
+        "sg_dl128t": dict(tile_m=64, fc1_tile_n=128, fc2_tile_n=128, fc1_tiled=True),
     }
     for tag, kw in explore_ds.items():
         out.append(
