@@ -469,7 +469,7 @@ def gpu_main(phase: str, only: str | None) -> int:
     if phase in ("correct", "all"):
         print("== correctness ==", flush=True)
         for v in manifest:
-            if v["role"] == "explore" or (only and only not in v["name"]):
+            if v["role"] == "explore" or (only and not any(o in v["name"] for o in only.split(","))):
                 continue
             tokens = CHECK_TOKENS if v["model"] in (None, "qwen3-30b-a3b") else [0, 1, 7, 128]
             lib = Lib(v, max(tokens))
@@ -554,8 +554,8 @@ def gpu_main(phase: str, only: str | None) -> int:
     if phase in ("explore", "all"):
         for model in MODELS:
             xs = [v["name"] for v in manifest if v["role"] in ("explore", "compare") and v["model"] == model]
-            if only and only not in model:  # a variant filter: only those variants (and the references)
-                xs = [n for n in xs if only in n]
+            if only and only not in model:  # variant filters (comma-separated): those variants and the references
+                xs = [n for n in xs if any(o in n for o in only.split(","))]
             if not xs:
                 continue
             print(f"== explore ({model}) ==", flush=True)
@@ -685,7 +685,7 @@ def main() -> int:
     ap.add_argument(
         "--phase", default="all", choices=["correct", "explore", "perf", "all", "profile", "host", "footprint"]
     )
-    ap.add_argument("--only", default=None, help="substring filter on variant/model names")
+    ap.add_argument("--only", default=None, help="substring filter on variant/model names (several: comma-separated)")
     ap.add_argument("--tokens", type=int, nargs="+", default=None, help="T values of the explore/perf timings")
     ap.add_argument("--profile", nargs="+", default=None, help="--phase profile: NAME:T cases")
     args = ap.parse_args()
