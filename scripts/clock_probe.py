@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flashinfer.moe_ep.cli.backends import choose_backend
 from flashinfer.moe_ep.cli.bench import back_to_back_ms, launch_times_ms, make_bench_layer
-from flashinfer.moe_ep.cli.clocks import ClockSampler, nvidia_smi_id
+from flashinfer.moe_ep.cli.clocks import ClockSampler, nvidia_smi_id, timed_window
 from flashinfer.moe_ep.config import MoEEpTensors
 from flashinfer.moe_ep.core.contracts import get_contract
 from flashinfer.moe_ep.core.inputs import make_expert_weights, make_hidden_states, make_topk
@@ -52,17 +52,13 @@ def main() -> int:
             print(f"no clock samples: {clocks.error}", flush=True)
 
         def phase(label: str, fn, sets: int, flops: float, ceiling: float | None) -> float:
-            t0 = time.time()
-            ms = statistics.median(launch_times_ms(fn, a.iters, sets))
-            t1 = time.time()
+            ms, win = timed_window(clocks, lambda: statistics.median(launch_times_ms(fn, a.iters, sets)))
             time.sleep(0.3)  # idle between phases, as a fresh bench point starts
-            t2 = time.time()
-            ms_b2b = back_to_back_ms(fn, sets, a.seconds)
-            t3 = time.time()
-            for name, m, w in ((label + " one at a time", ms, (t0, t1)), (label + " back to back", ms_b2b, (t2, t3))):
+            ms_b2b, win_b2b = timed_window(clocks, lambda: back_to_back_ms(fn, sets, a.seconds))
+            for name, m, w in ((label + " one at a time", ms, win), (label + " back to back", ms_b2b, win_b2b)):
                 tf = flops / m / 1e9
-                rows.append((name, m, tf, 100 * tf / ceiling if ceiling else 100.0, clocks.window(*w)))
-                print(f"{name}: {m:.3f} ms, {tf:.0f} TFLOP/s, {rows[-1][4] and rows[-1][4].describe()}", flush=True)
+                rows.append((name, m, tf, 100 * tf / ceiling if ceiling else 100.0, w))
+                print(f"{name}: {m:.3f} ms, {tf:.0f} TFLOP/s, {w and w.describe()}", flush=True)
             time.sleep(0.3)
             return flops / ms / 1e9
 

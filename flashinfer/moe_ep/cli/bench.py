@@ -31,7 +31,7 @@ from ..core.reference_quant import moe_reference_quantized, nvfp4_static_scales,
 from ..errors import MoEEpConfigError
 from ..layer import MoEEpLayer
 from .backends import choose_backend
-from .clocks import ClockSampler, ClockWindow, nvidia_smi_id
+from .clocks import ClockSampler, ClockWindow, nvidia_smi_id, timed_window
 
 DEFAULT_TOKENS = (1, 16, 128, 1024, 4096, 16384)
 DEFAULT_CONTRACTS = ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3")
@@ -184,14 +184,6 @@ def back_to_back_ms(fn: Any, sets: int, seconds: float) -> float:
     return start.elapsed_time(end) / n
 
 
-def _timed_window(clocks: ClockSampler | None, fn: Any) -> tuple[Any, ClockWindow | None]:
-    """``fn()`` and what ``clocks`` sampled while it ran (None without a sampler or samples)."""
-    t0 = time.time()
-    result = fn()
-    t1 = time.time()
-    return result, (clocks.window(t0, t1) if clocks is not None else None)
-
-
 def measure_ceilings(sustained_s: float = 0.0, clocks: ClockSampler | None = None) -> dict[str, Any]:
     """bf16 matmul TFLOP/s and device copy TB/s, on random data, on this GPU now: the matmul as ten
     launches one at a time (a short burst, at the card's top clock), and with ``sustained_s`` also back to
@@ -200,11 +192,11 @@ def measure_ceilings(sustained_s: float = 0.0, clocks: ClockSampler | None = Non
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    ms, win = _timed_window(clocks, lambda: _time_ms(lambda i: a @ b, 10, 1))
+    ms, win = timed_window(clocks, lambda: _time_ms(lambda i: a @ b, 10, 1))
     out: dict[str, Any] = {"matmul_clocks": win}
     if sustained_s > 0:
         time.sleep(0.2)  # the burst's samples stay out of the next window
-        ms_b2b, win = _timed_window(clocks, lambda: back_to_back_ms(lambda i: a @ b, 1, sustained_s))
+        ms_b2b, win = timed_window(clocks, lambda: back_to_back_ms(lambda i: a @ b, 1, sustained_s))
         out.update(matmul_sustained_tflops=2 * n**3 / ms_b2b / 1e9, matmul_sustained_clocks=win)
     src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)  # 1 GiB
     dst = torch.empty_like(src)
@@ -349,7 +341,7 @@ def bench_contract(
                     s.hidden_states, s.topk_ids, s.topk_weights, w13_t, w2_t, c.activation, c.activation_limit
                 )
 
-            ours, win = _timed_window(clocks, lambda ours_fn=ours_fn: _time_ms(ours_fn, iters, sets))
+            ours, win = timed_window(clocks, lambda ours_fn=ours_fn: _time_ms(ours_fn, iters, sets))
             graph_ms = eager_layers_ms = float("nan")
             fns = [ours_fn] + [
                 lambda i, lay=lay, feed=feed, outs=outs: lay.forward(feed[i], output=outs[i]) for lay in more_layers

@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,6 +149,14 @@ class ClockSampler:
         )
 
 
+def timed_window(clocks: ClockSampler | None, fn: Callable[[], Any]) -> tuple[Any, ClockWindow | None]:
+    """``fn()`` and what ``clocks`` sampled while it ran (None without a sampler, or without samples)."""
+    t0 = time.time()
+    result = fn()
+    t1 = time.time()
+    return result, (clocks.window(t0, t1) if clocks is not None else None)
+
+
 def nvidia_smi_id(device_index: int = 0) -> str:
     """The nvidia-smi ``--id`` of torch's CUDA device ``device_index`` (its PCI bus id when torch knows it)."""
     import torch
@@ -159,4 +168,4 @@ def nvidia_smi_id(device_index: int = 0) -> str:
     return f"{getattr(props, 'pci_domain_id', 0):08x}:{bus:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
 
 
-__all__ = ["ClockSampler", "ClockWindow", "nvidia_smi_id"]
+__all__ = ["ClockSampler", "ClockWindow", "nvidia_smi_id", "timed_window"]

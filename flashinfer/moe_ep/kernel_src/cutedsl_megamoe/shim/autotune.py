@@ -71,26 +71,6 @@ class AutotuneResult(Generic[K]):
     head_to_head: tuple[float, float] | None = None
 
 
-def cuda_event_timer(warmup: int = 3) -> Timer:
-    """Times each launch with CUDA events on the current stream (after ``warmup`` untimed launches)."""
-
-    def timer(launch: Launch, iters: int) -> list[float]:
-        for _ in range(warmup):
-            launch()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            launch()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return times
-
-    return timer
-
-
 def cuda_event_pair_timer(warmup: int = 3) -> PairTimer:
     """Times launches interleaved: round r times each once with CUDA events, starting at launch r (mod
     their number), so drift over the rounds reaches all of them alike. Per-launch ms, one list each."""
@@ -113,6 +93,13 @@ def cuda_event_pair_timer(warmup: int = 3) -> PairTimer:
         return times
 
     return timer
+
+
+def cuda_event_timer(warmup: int = 3) -> Timer:
+    """Times each launch with CUDA events on the current stream (after ``warmup`` untimed launches): the
+    one-launch case of ``cuda_event_pair_timer``."""
+    pair = cuda_event_pair_timer(warmup)
+    return lambda launch, iters: pair([launch], iters)[0]
 
 
 class _Progress:
