@@ -4,6 +4,7 @@ module's own selectors and masks, for every input byte, against torch's decoding
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -70,3 +71,38 @@ def test_e2m1_spread_is_value_times_2_pow_minus_126() -> None:
             b = chunk[m]
             want = [(-1.0 if n & 8 else 1.0) * E2M1[n & 7] * 2.0**-126 for n in (b & 0xF, b >> 4)]
             assert list(bf16_halves(w)) == want, (b, bf16_halves(w), want)
+
+
+def _e2m1_threshold_chain(a: np.ndarray) -> np.ndarray:
+    """The E2M1 magnitude rounding of drop v19 and before: seven comparisons, each adding a step."""
+    v = np.zeros_like(a)
+    for bound, inclusive, step in (
+        (0.25, False, 0.5), (0.75, True, 0.5), (1.25, False, 0.5), (1.75, True, 0.5),
+        (2.5, False, 1.0), (3.5, True, 1.0), (5.0, False, 2.0),
+    ):  # fmt: skip
+        hit = a >= np.float32(bound) if inclusive else a > np.float32(bound)
+        v += np.where(hit, np.float32(step), np.float32(0.0))
+    return v
+
+
+def _e2m1_rint(a: np.ndarray) -> np.ndarray:
+    """``block_quant._round_e2m1_magnitude`` instruction by instruction (PTX max/min return the
+    non-NaN operand: np.fmax / np.fmin; cvt.rni: np.rint, ties to even)."""
+    x = np.fmax(a, np.float32(0.0))
+    p4, p2 = x >= np.float32(4.0), x >= np.float32(2.0)
+    inv = np.where(p2, np.where(p4, np.float32(0.5), np.float32(1.0)), np.float32(2.0))
+    step = np.where(p2, np.where(p4, np.float32(2.0), np.float32(1.0)), np.float32(0.5))
+    t = np.rint(x * inv) * step
+    return np.fmin(t, np.float32(6.0))
+
+
+def test_e2m1_rounding_by_rint_equals_the_threshold_chain() -> None:
+    # every fp32 within 64 ulps of each threshold and grid point, a dense sweep of [0, 16], specials
+    points = np.array([0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0], np.float32)
+    near = (points.view(np.int32)[:, None] + np.arange(-64, 65, dtype=np.int32)[None, :]).reshape(-1)
+    sweep = np.arange(0, np.float32(16.0).view(np.int32), 37, dtype=np.int32)
+    special = np.array([0.0, -0.0, np.inf, np.nan, 3e38, 1e-45, 1e-30], np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        a = np.concatenate([near.view(np.float32), sweep.view(np.float32), special])
+        got, want = _e2m1_rint(a), _e2m1_threshold_chain(a)
+    assert np.array_equal(got, want), a[got != want][:8]

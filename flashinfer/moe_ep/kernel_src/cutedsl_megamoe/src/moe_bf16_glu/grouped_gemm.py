@@ -19,6 +19,11 @@ C[rows of M block b] = A[rows of b] @ B[expert(b)].T for every M block b of the 
   appends to an odd count) each CTA loads its own whole B tile. Experts are padded to ``tile_m``
   only, not ``2 * tile_m``.
 - PDL: the prologue (barrier init, descriptor prefetch) runs before ``griddepcontrol.wait``.
+- ``split_n`` (gated FC1 only): N tiles of ``tile_n`` over B interleaved per ``2 * tile_n`` rows (the
+  layer's weight layout), so a decode step that touches few experts gets twice the CTAs to stream
+  the weights without a second weight layout. Each stage loads two ``tile_n / 2``-row boxes, the
+  gate rows and the up rows of one half of a layout block, into the two halves of the B stage: the
+  tile then looks like one interleaved per ``tile_n`` to the MMA and the epilogue.
 - ``gather_a`` (FC1 at world size 1): A rows come straight from the token matrix ``x`` through
   ``row_token`` (the token of every real row of the permuted row space), so no gathered copy of
   the activations is written and read back. The whole producer warpgroup loads them with 16-byte
@@ -75,7 +80,13 @@ class GroupedGemmSm90:
         cluster_m: int = 1,
         pair_by_expert: bool = False,
         gather_a: bool = False,
+        split_n: bool = False,
     ) -> None:
+        # split_n: B is gate/up interleaved per 2 * tile_n rows; N tile n is half n % 2 of layout block
+        # n // 2 (its gate rows and its up rows: two (tile_n / 2)-row TMA boxes per stage).
+        self.split_n = split_n
+        if split_n and (cluster_m != 1 or epilogue not in constants.GATED_ACTIVATIONS):
+            raise ValueError("split_n needs a gated epilogue and cluster_m=1")
         if tile_m not in (64, 128, 256):
             raise ValueError(f"tile_m must be 64, 128 or 256, got {tile_m}")
         if tile_n not in (64, 128, 192, 256):
@@ -198,9 +209,18 @@ class GroupedGemmSm90:
         b_smem_one = cute.slice_(self.b_smem_layout, (None, None, 0))
         epi_smem_one = cute.slice_(self.epi_smem_layout, (None, None, 0))
         b_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_m > 1 else cpasync.CopyBulkTensorTileG2SOp()
-        tma_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
-            b_op, b, b_smem_one, (self.tile_n, self.tile_k), num_multicast=self.cluster_m
-        )
+        if cutlass.const_expr(self.split_n):
+            b_half_layout = sm90_utils.make_smem_layout_b(
+                self.b_layout, (self.tile_m, self.tile_n // 2, self.tile_k), self.ab_dtype, 1
+            )
+            tma_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), b, cute.slice_(b_half_layout, (None, None, 0)),
+                (self.tile_n // 2, self.tile_k),
+            )
+        else:
+            tma_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
+                b_op, b, b_smem_one, (self.tile_n, self.tile_k), num_multicast=self.cluster_m
+            )
         tma_c, tma_tensor_c = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), c, epi_smem_one, self.epi_tile
         )
@@ -322,24 +342,35 @@ class GroupedGemmSm90:
             tAsA, tAgA = cpasync.tma_partition(
                 tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
             )
-        tBsB, tBgB = cpasync.tma_partition(
-            tma_b,
-            cluster_coord[0],
-            cute.make_layout(self.cluster_m),
-            cute.group_modes(sB, 0, 2),
-            cute.group_modes(gB, 0, 2),
-        )
-        # The partner CTA's slice of each B tile: loaded here too when the two blocks' experts differ.
-        tBsB_other, tBgB_other = cpasync.tma_partition(
-            tma_b,
-            (cluster_coord[0] + 1) % self.cluster_m,
-            cute.make_layout(self.cluster_m),
-            cute.group_modes(sB, 0, 2),
-            cute.group_modes(gB, 0, 2),
-        )
-
         k_tiles = cute.size(gB, mode=[3])
         n_tiles = cute.size(gB, mode=[2])
+        if cutlass.const_expr(self.split_n):
+            # Boxes of tile_n / 2 rows: gmem (box, N / (tile_n / 2), K tiles, E); smem: the lower (tBsB) and
+            # the upper (tBsB_other) half of each stage (see _load_b).
+            g_half = cute.local_tile(mB, (self.tile_n // 2, self.tile_k), (None, None, None))
+            s_halves = cute.zipped_divide(sB, (self.tile_n // 2, self.tile_k))
+            tBsB, tBgB = cpasync.tma_partition(
+                tma_b, 0, cute.make_layout(1), s_halves[(None, (0, 0, None))], cute.group_modes(g_half, 0, 2)
+            )
+            tBsB_other, tBgB_other = cpasync.tma_partition(
+                tma_b, 0, cute.make_layout(1), s_halves[(None, (1, 0, None))], cute.group_modes(g_half, 0, 2)
+            )
+        else:
+            tBsB, tBgB = cpasync.tma_partition(
+                tma_b,
+                cluster_coord[0],
+                cute.make_layout(self.cluster_m),
+                cute.group_modes(sB, 0, 2),
+                cute.group_modes(gB, 0, 2),
+            )
+            # The partner CTA's slice of each B tile: loaded here too when the two blocks' experts differ.
+            tBsB_other, tBgB_other = cpasync.tma_partition(
+                tma_b,
+                (cluster_coord[0] + 1) % self.cluster_m,
+                cute.make_layout(self.cluster_m),
+                cute.group_modes(sB, 0, 2),
+                cute.group_modes(gB, 0, 2),
+            )
 
         pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster_m, 1))
         # PDL: the prologue above overlapped the previous kernel; its outputs are read below.
@@ -581,7 +612,13 @@ class GroupedGemmSm90:
         """TMA of the stage's B tile: alone, shared with the cluster partner (each CTA loads its
         slice for both), or, when the partner's block belongs to another expert, both slices here."""
         bar = ab_pipe.producer_get_barrier(state)
-        if cutlass.const_expr(self.cluster_m == 1):
+        if cutlass.const_expr(self.split_n):
+            # Layout block j (2 * tile_n rows) = boxes 4j..4j+3: gate of half 0, gate of half 1, up of half 0,
+            # up of half 1. Tile n: gate box 4 (n // 2) + n % 2 into the lower half, its up box (+ 2) above.
+            q = (n_blk // 2) * 4 + n_blk % 2
+            cute.copy(tma_b, tBgB[(None, q, k, expert)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+            cute.copy(tma_b, tBgB[(None, q + 2, k, expert)], tBsB_other[(None, state.index)], tma_bar_ptr=bar)
+        elif cutlass.const_expr(self.cluster_m == 1):
             cute.copy(tma_b, tBgB[(None, n_blk, k, expert)], tBsB[(None, state.index)], tma_bar_ptr=bar)
         else:
             if share_b:

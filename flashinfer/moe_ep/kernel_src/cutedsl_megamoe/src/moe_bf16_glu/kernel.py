@@ -66,6 +66,11 @@ class Sm90MegaMoEBf16Kernel:
         of always the largest. Measured on H200 (TUNING.md, drop v19): at T = 1 the full aux grids do
         not fit beside the routing CTAs, which holds back every later launch; sized, the qwen3-30b-a3b
         decode chain is 1.8-5 us shorter in graphs at T = 1..8 and even at prefill. False: drop v18.
+    :param fc1_split_n: FC1 computes N tiles of ``fc1_tile_n / 2`` over the same weight layout (gate/up
+        interleaved and tiled per ``fc1_tile_n``; ``GroupedGemmSm90(split_n=True)``): twice the FC1
+        CTAs where few experts are touched. Gated activations, ``fc1_tile_n=256`` and ``cluster_m=1``
+        only. Measured on H200 (TUNING.md, session 12 run 13): qwen3-30b-a3b T = 1 8 % faster
+        (48 -> 96 FC1 CTAs), 1-3 % slower from T = 2 and on deepseek-v3 (already 128 FC1 CTAs at T = 1).
     :param stage_mask: debugging/profiling only: bit i enables stage i (routing, gather, FC1,
         FC2, combine); anything but 0b11111 gives wrong results (and masking out routing leaves
         ``expert_count`` non-zero).
@@ -94,6 +99,7 @@ class Sm90MegaMoEBf16Kernel:
         gather_in_fc1: bool = True,
         stage_mask: int = 0b11111,
         sized_grids: bool = True,
+        fc1_split_n: bool = False,
     ) -> None:
         self.sized_grids = sized_grids
         if activation not in constants.ACTIVATIONS:
@@ -115,9 +121,13 @@ class Sm90MegaMoEBf16Kernel:
         self.stage_mask = stage_mask
         self.fc1_tiled = fc1_tiled
         self.gather_in_fc1 = gather_in_fc1
+        if fc1_split_n and fc1_tile_n != 256:
+            raise ValueError(f"fc1_split_n needs fc1_tile_n=256, got {fc1_tile_n}")
+        self.fc1_split_n = fc1_split_n
+        self.fc1_layout_tile_n = fc1_tile_n  # w13's interleave / tile (FC1's N tile is half that with the split)
         self.fc1 = GroupedGemmSm90(
             tile_m,
-            fc1_tile_n,
+            fc1_tile_n // 2 if fc1_split_n else fc1_tile_n,
             activation,
             limit,
             num_sms,
@@ -126,6 +136,7 @@ class Sm90MegaMoEBf16Kernel:
             cluster_m,
             pair_by_expert,
             gather_a=gather_in_fc1,
+            split_n=fc1_split_n,
         )
         self.fc2 = GroupedGemmSm90(
             tile_m, fc2_tile_n, EPI_PLAIN, None, num_sms, fc2_stages, epi_direct, cluster_m, pair_by_expert

@@ -280,17 +280,24 @@ def mul_rn(a: Float32, b: Float32) -> Float32:
 
 
 def _round_e2m1_magnitude(a: Float32) -> Float32:
-    """RNE of ``a >= 0`` onto {0, .5, 1, 1.5, 2, 3, 4, 6}, saturating (ties to the even code)."""
-    zero, half = Float32(0.0), Float32(0.5)
-    v = zero
-    v += _sel(a > Float32(0.25), half, zero, Float32)
-    v += _sel(a >= Float32(0.75), half, zero, Float32)
-    v += _sel(a > Float32(1.25), half, zero, Float32)
-    v += _sel(a >= Float32(1.75), half, zero, Float32)
-    v += _sel(a > Float32(2.5), Float32(1.0), zero, Float32)
-    v += _sel(a >= Float32(3.5), Float32(1.0), zero, Float32)
-    v += _sel(a > Float32(5.0), Float32(2.0), zero, Float32)
-    return v
+    """RNE of ``a >= 0`` onto {0, .5, 1, 1.5, 2, 3, 4, 6}, saturating (ties to the even code), NaN -> 0.
+
+    The grid step is 0.5 below 2, 1 from 2 and 2 from 4, so ``rint(a / step) * step`` (``cvt.rni``:
+    ties to even, which is the even code; exact, the steps are powers of two), then ``min(., 6)``.
+    Equal, for every fp32 input, to the threshold chain of drop v19 and before (0.25 < a -> .5, 0.75 <=
+    a -> 1, ..., 5 < a -> 6; tests/kernel_src/cutedsl_megamoe/test_block_quant_bits.py) in 11 instructions
+    instead of 21. ``max(a, 0)`` first maps NaN to 0, as the chain's comparisons did."""
+    return cute.arch.inline_ptx(
+        "{ .reg .f32 x, inv, step, t; .reg .pred p4, p2;\n"
+        "max.f32 x, {$r0}, 0f00000000;\n"
+        "setp.ge.f32 p4, x, 0f40800000; setp.ge.f32 p2, x, 0f40000000;\n"  # x >= 4, x >= 2
+        "selp.f32 inv, 0f3F000000, 0f3F800000, p4; selp.f32 inv, inv, 0f40000000, p2;\n"  # 1 / step
+        "selp.f32 step, 0f40000000, 0f3F800000, p4; selp.f32 step, step, 0f3F000000, p2;\n"
+        "mul.rn.f32 t, x, inv; cvt.rni.f32.f32 t, t; mul.rn.f32 t, t, step;\n"
+        "min.f32 {$w0}, t, 0f40C00000; }",
+        write_only_types=[Float32],
+        read_only_args=[a],
+    )
 
 
 def nvfp4_qdq(vals: list, amax: Float32, global_scale: Float32) -> list:
