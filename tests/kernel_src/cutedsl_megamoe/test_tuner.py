@@ -109,7 +109,17 @@ def test_nondeterministic_values_only_when_allowed(monkeypatch) -> None:
 
 @pytest.mark.parametrize(
     "tokens, bucket",
-    [(0, "decode"), (1, "decode"), (768, "decode"), (769, "mid"), (2047, "mid"), (2048, "prefill"), (10**6, "prefill")],
+    [
+        (0, "single"),
+        (1, "single"),
+        (2, "decode"),
+        (768, "decode"),
+        (769, "mid"),
+        (2047, "mid"),
+        (2048, "prefill"),
+        (2048, "prefill"),
+        (10**6, "prefill"),
+    ],
 )
 def test_bucket_boundaries(tokens: int, bucket: str) -> None:
     assert tuner.bucket_of(tokens) == bucket
@@ -117,9 +127,12 @@ def test_bucket_boundaries(tokens: int, bucket: str) -> None:
 
 def test_buckets_of_a_layer_and_their_tune_sizes() -> None:
     names = lambda cap: [b.name for b in tuner.buckets_for(cap)]  # noqa: E731
-    assert names(1) == names(768) == ["decode"]
-    assert names(769) == names(2047) == ["decode", "mid"]
-    assert names(2048) == names(8192) == ["decode", "mid", "prefill"]
+    assert names(0) == names(1) == ["single"]
+    assert names(2) == names(768) == ["single", "decode"]
+    assert names(769) == names(2047) == ["single", "decode", "mid"]
+    assert names(2048) == names(8192) == ["single", "decode", "mid", "prefill"]
+    ep = lambda cap: [b.name for b in tuner.buckets_for(cap, tuner.EP_TOKEN_BUCKETS)]  # noqa: E731
+    assert ep(1) == ["decode"] and ep(8192) == ["decode", "mid", "prefill"]
     for cap in (1, 8, 64, 100, 300, 1000, 2047, 3000, 8192):
         for b in tuner.buckets_for(cap):
             t = tuner.tune_tokens(b, cap)
@@ -136,20 +149,39 @@ def test_defaults_are_the_declared_profiles() -> None:
     for g in _geometries():
         base = drop.default_bf16_knobs(g)
         assert tuner.default_knobs(g, 1024) == base  # mid: the base defaults
-        for t, bucket in ((1, "decode"), (4096, "prefill")):
+        for t, bucket in ((1, "single"), (2, "decode"), (4096, "prefill")):
             knobs = tuner.default_knobs(g, t)
             assert tuner.is_valid(g, knobs)[0]
-            if knobs != base:  # the bucket's overrides where they divide the problem
-                assert dataclasses.replace(base, **tuner.BF16_PROFILES[bucket]) == knobs
+            if knobs != base:  # the bucket's overrides where they divide the problem, then the geometry rule
+                want = tuner.bf16_refine(g, bucket, dataclasses.replace(base, **tuner.BF16_PROFILES[bucket]))
+                assert want == knobs
         assert tuner.default_knobs(g, 4096).cluster_m == 2
+        assert not tuner.default_knobs(g, 2).fc1_split_n  # the split is for one token only
+
+
+def test_the_single_bucket_splits_fc1_where_twice_its_ctas_fit_the_grid() -> None:
+    def single(g: drop.Geometry, **pinned: object) -> drop.Bf16Knobs:
+        return tuner.default_knobs(g, 1, pinned=pinned or None)
+
+    qwen30 = drop.Geometry(2048, 768, 128, 8, "swiglu", None)  # 8 experts x 6 FC1 tiles: 48 -> 96 CTAs
+    assert single(qwen30).fc1_split_n and tuner.is_valid(qwen30, single(qwen30))[0]
+    assert not single(drop.Geometry(4096, 1536, 128, 8, "swiglu", None)).fc1_split_n  # 96 CTAs: 192 > 132
+    assert not single(drop.Geometry(7168, 2048, 256, 8, "swiglu", None)).fc1_split_n  # 128 CTAs
+    assert not single(drop.Geometry(2048, 768, 128, 8, "relu2", None)).fc1_split_n  # not gated
+    assert not single(qwen30, num_sms=64).fc1_split_n  # 96 > 64
+    # a layer whose layout (its largest bucket) is 128-wide: no split, and still a valid knob set
+    narrow = single(qwen30, fc1_tile_n=128)
+    assert not narrow.fc1_split_n and narrow.fc1_tile_n == 128 and tuner.is_valid(qwen30, narrow)[0]
+    bad = dataclasses.replace(single(qwen30), cluster_m=2)
+    assert "fc1_split_n needs" in tuner.is_valid(qwen30, bad)[1]
 
 
 def test_resolve_takes_an_exact_cache_hit_else_the_defaults(tmp_path: Path) -> None:
     g = drop.Geometry(2048, 768, 128, 8, "swiglu", None)
     ctx = knob_cache.TuneContext("NVIDIA H200")
     path = tmp_path / "knobs.json"
-    decode, prefill = tuner.TOKEN_BUCKETS[0], tuner.TOKEN_BUCKETS[2]
-    assert tuner.resolve_knobs(g, decode, ctx, path=path) == (tuner.default_knobs(g, 1), "defaults")
+    decode, prefill = (next(b for b in tuner.TOKEN_BUCKETS if b.name == n) for n in ("decode", "prefill"))
+    assert tuner.resolve_knobs(g, decode, ctx, path=path) == (tuner.default_knobs(g, 2), "defaults")
     key = knob_cache.KnobKey.make(tuner.BF16, g, "decode", ctx)
     knob_cache.record(key, {"tile_m": 64, "fc1_tile_n": 256}, path)
     want = dataclasses.replace(drop.default_bf16_knobs(g), tile_m=64, fc1_tile_n=256)
@@ -161,7 +193,7 @@ def test_resolve_takes_an_exact_cache_hit_else_the_defaults(tmp_path: Path) -> N
     assert tuner.resolve_knobs(g, decode, knob_cache.TuneContext("NVIDIA H100"), path=path)[1] == "defaults"
     # a cached entry that is no longer valid is ignored
     knob_cache.record(key, {"tile_m": 96}, path)
-    assert tuner.resolve_knobs(g, decode, ctx, path=path) == (tuner.default_knobs(g, 1), "defaults")
+    assert tuner.resolve_knobs(g, decode, ctx, path=path) == (tuner.default_knobs(g, 2), "defaults")
     knob_cache.record(key, {"retired_knob": 1}, path)
     assert tuner.resolve_knobs(g, decode, ctx, path=path)[1] == "defaults"
 

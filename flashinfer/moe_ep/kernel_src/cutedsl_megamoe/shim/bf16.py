@@ -30,6 +30,11 @@ class Bf16Knobs:
     copy gathered by a separate kernel (drop v18; measured on H200: 2-11 % faster from T = 128 to 1024,
     4-10 % on qwen3-30b-a3b prefill, even at T = 1, 1-2.4 % slower on deepseek-v3 at T >= 4096;
     TUNING.md, "Session 10").
+
+    ``fc1_split_n``: FC1 N tiles of 128 over the 256-wide weight layout (twice the FC1 CTAs; gated
+    activations, ``fc1_tile_n=256``, ``cluster_m=1``). The ``single`` token bucket (T = 1) turns it on
+    where it doubles FC1's CTAs within the grid (``split_fc1_pays``; measured on H200: qwen3-30b-a3b
+    T = 1 8 % faster, 1-3 % slower at T >= 2 and where FC1 already fills the SMs; TUNING.md).
     """
 
     tile_m: int = 128
@@ -41,6 +46,7 @@ class Bf16Knobs:
     cluster_m: int = 1
     fc1_tiled: bool = True
     gather_in_fc1: bool = True
+    fc1_split_n: bool = False
 
 
 def widest_tile(n: int, widest: int = 256) -> int:
@@ -54,6 +60,17 @@ def default_bf16_knobs(geometry: Geometry) -> Bf16Knobs:
     gated = geometry.activation in kh.constants.GATED_ACTIVATIONS
     fc1_n = 2 * geometry.intermediate if gated else geometry.intermediate
     return Bf16Knobs(fc1_tile_n=widest_tile(fc1_n), fc2_tile_n=widest_tile(geometry.hidden))
+
+
+def split_fc1_pays(geometry: Geometry, knobs: Bf16Knobs) -> bool:
+    """Whether ``fc1_split_n`` is valid for ``knobs`` and pays at T = 1: one token touches ``top_k``
+    experts, so FC1 runs ``top_k * N1 / fc1_tile_n`` CTAs; the split pays while twice that still fits
+    the persistent grid (qwen3-30b-a3b: 48 -> 96 of 132; qwen3-235b-a22b 96 and deepseek-v3 128 do not
+    double)."""
+    gated = geometry.activation in kh.constants.GATED_ACTIVATIONS
+    if not gated or knobs.fc1_tile_n != 256 or knobs.cluster_m != 1:
+        return False
+    return 2 * geometry.top_k * (2 * geometry.intermediate // knobs.fc1_tile_n) <= knobs.num_sms
 
 
 class Bf16Frontend(KernelFrontend):
@@ -89,6 +106,8 @@ class Bf16Frontend(KernelFrontend):
         self.check_tiles()
         if k.cluster_m not in (1, 2):
             raise ValueError(f"cluster_m must be 1 or 2, got {k.cluster_m}")
+        if k.fc1_split_n and not (self.gated and k.fc1_tile_n == 256 and k.cluster_m == 1):
+            raise ValueError("fc1_split_n needs a gated activation, fc1_tile_n=256 and cluster_m=1")
 
     def _export(self, out_dir: Path, function_name: str) -> Path:
         g, k = self.geometry, self.knobs
@@ -99,6 +118,7 @@ class Bf16Frontend(KernelFrontend):
             cluster_m=k.cluster_m,
             fc1_tiled=k.fc1_tiled,
             gather_in_fc1=k.gather_in_fc1,
+            fc1_split_n=k.fc1_split_n,
         )
         return kh.export_moe_bf16(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)
 

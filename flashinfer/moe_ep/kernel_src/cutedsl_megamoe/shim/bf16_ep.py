@@ -44,7 +44,7 @@ class Bf16EpKnobs:
 #: the EP knobs a config may set and the knob cache records (``world_size``, ``ranks_per_gpu`` come
 #: from the bootstrap, the grid from the device)
 EP_KNOBS = ("tile_m", "fc1_tile_n", "fc2_tile_n", "cluster_m", "dispatch")
-#: the knob-cache family of the EP kernel (its buckets: ``tuner.TOKEN_BUCKETS`` over the global T)
+#: the knob-cache family of the EP kernel (its buckets: ``tuner.EP_TOKEN_BUCKETS`` over the global T)
 EP_KNOB_FAMILY = "moe_bf16_ep"
 #: autotune value sets (every valid combination is a candidate)
 EP_TILE_M_VALUES = (64, 128)

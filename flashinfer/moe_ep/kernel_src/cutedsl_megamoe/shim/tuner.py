@@ -28,7 +28,7 @@ from typing import Any
 
 from . import kernel_helpers as kh
 from . import knob_cache
-from .bf16 import Bf16Frontend, Bf16Knobs, default_bf16_knobs
+from .bf16 import Bf16Frontend, Bf16Knobs, default_bf16_knobs, split_fc1_pays
 from .frontend import Geometry, KernelFrontend
 
 PERFORMANCE = "performance"
@@ -45,15 +45,20 @@ class TokenBucket:
     tune_tokens: int  # T that autotune measures this bucket at (clipped to the layer's capacity)
 
 
-#: Decode steps and small batches, mid-size batches, prefill chunks. The decode/mid boundary is measured
-#: (H200, drop v4, TUNING.md): the 64-row decode profile beat the 128-row one on all three bench
-#: contracts at every T from 192 to 768 and lost on both qwen3 contracts at 1024; the mid/prefill
-#: boundary is design data.
+#: One token, decode steps and small batches, mid-size batches, prefill chunks. The decode/mid boundary
+#: is measured (H200, drop v4, TUNING.md): the 64-row decode profile beat the 128-row one on all three
+#: bench contracts at every T from 192 to 768 and lost on both qwen3 contracts at 1024; the mid/prefill
+#: boundary is design data. ``single`` (T <= 1) exists for the FC1 split (``BF16_PROFILES``), which
+#: pays at T = 1 only (drop v20, TUNING.md "Session 13").
 TOKEN_BUCKETS: tuple[TokenBucket, ...] = (
+    TokenBucket("single", 1, 1),
     TokenBucket("decode", 768, 256),
     TokenBucket("mid", 2047, 1024),
     TokenBucket("prefill", None, 4096),
 )
+#: The expert-parallel kernel's buckets (over the global T): no ``single``, as the EP kernel has no FC1
+#: split and a global T of 1 only occurs at world size 1.
+EP_TOKEN_BUCKETS: tuple[TokenBucket, ...] = TOKEN_BUCKETS[1:]
 
 
 def bucket_of(tokens: int, buckets: tuple[TokenBucket, ...] = TOKEN_BUCKETS) -> str:
@@ -115,6 +120,8 @@ BF16_KNOBS: tuple[KnobSpec, ...] = (
     KnobSpec("fc2_tile_n", PERFORMANCE, _TILE_N, (64, 128, 256), why="FC2 N tile over H"),
     KnobSpec("gather_in_fc1", PERFORMANCE, (False, True), None,
              why="FC1 loads its rows from x (no gathered copy); measured, not searched"),
+    KnobSpec("fc1_split_n", PERFORMANCE, (False, True), None,
+             why="FC1 tiles of 128 over the 256 layout (T = 1, the single bucket's rule); measured, not searched"),
     # None = as many stages as shared memory allows; an explicit depth can overflow shared memory,
     # which only the compiler detects, so candidates keep None and explicit depths are for hand tuning.
     KnobSpec("fc1_stages", PERFORMANCE, _STAGES, None, why="FC1 TMA pipeline depth"),
@@ -132,14 +139,24 @@ BF16_KNOBS: tuple[KnobSpec, ...] = (
 #: five of six points (deepseek-v3 16384: 21.7 vs 29.0 ms; qwen3-30b-a3b 16384 lost 4 %); ``mid``
 #: keeps the base defaults (cluster_m=2 was even or slower at T = 1024).
 BF16_PROFILES: dict[str, dict[str, Any]] = {
+    "single": {"tile_m": 64, "fc2_tile_n": 128},  # + fc1_split_n where it pays (bf16_refine)
     "decode": {"tile_m": 64, "fc2_tile_n": 128},
     "mid": {},
     "prefill": {"cluster_m": 2},
 }
 BF16_PROFILES_SOURCE = (
     "H200 sweeps 2026-11-29 (TUNING.md): decode = tile_m 64 / fc2_tile_n 128; mid = defaults; "
-    "prefill = cluster_m 2 (drop v4; the cluster pair table of drops v6-v7)"
+    "prefill = cluster_m 2 (drop v4; the cluster pair table of drops v6-v7); single = decode + the FC1 "
+    "split where twice FC1's CTAs fit the grid (drop v20, session 12 run 13)"
 )
+
+
+def bf16_refine(geometry: Geometry, bucket: str, knobs: Bf16Knobs) -> Bf16Knobs:
+    """The geometry-dependent part of a BF16 profile: in ``single``, the FC1 split where it pays
+    (``bf16.split_fc1_pays``)."""
+    if bucket == "single" and split_fc1_pays(geometry, knobs):
+        return dataclasses.replace(knobs, fc1_split_n=True)
+    return knobs
 
 
 @dataclass(frozen=True)
@@ -151,6 +168,8 @@ class KernelFamily:
     base_defaults: Callable[[Geometry], Any]
     profiles: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     profiles_source: str = ""
+    # (geometry, bucket name, knobs) -> knobs: what a static profile cannot say (a rule of the geometry)
+    refine: Callable[[Geometry, str, Any], Any] | None = None
 
     def spec(self, name: str) -> KnobSpec:
         return next(s for s in self.specs if s.name == name)
@@ -168,7 +187,7 @@ class KernelFamily:
 BF16 = "moe_bf16_glu"
 FAMILIES: dict[str, KernelFamily] = {
     BF16: KernelFamily(
-        BF16, Bf16Knobs, Bf16Frontend, BF16_KNOBS, default_bf16_knobs, BF16_PROFILES, BF16_PROFILES_SOURCE
+        BF16, Bf16Knobs, Bf16Frontend, BF16_KNOBS, default_bf16_knobs, BF16_PROFILES, BF16_PROFILES_SOURCE, bf16_refine
     ),
 }
 
@@ -230,16 +249,19 @@ def layout_of(knobs: Any, name: str = BF16) -> dict[str, Any]:
     return {n: getattr(knobs, n) for n in family(name).layout_knobs}
 
 
-def default_knobs(geometry: Geometry, tokens: int, *, name: str = BF16) -> Any:
-    """The profile of ``bucket_of(tokens)`` over the base defaults (see ``BF16_PROFILES_SOURCE``).
+def default_knobs(geometry: Geometry, tokens: int, *, name: str = BF16, pinned: Mapping[str, Any] | None = None) -> Any:
+    """The profile of ``bucket_of(tokens)`` over the base defaults (see ``BF16_PROFILES_SOURCE``), with
+    the ``pinned`` knobs (the layer's layout) forced before the family's geometry rule (``refine``).
 
     A profile entry that is invalid for ``geometry`` (a tile that does not divide) falls back to the
     base defaults, which are valid for every geometry the frontend serves.
     """
     fam = family(name)
-    overrides = fam.profiles.get(bucket_of(tokens), {})
-    knobs = with_overrides(geometry, overrides, name)
-    return knobs if is_valid(geometry, knobs, name=name)[0] else fam.base_defaults(geometry)
+    bucket = bucket_of(tokens)
+    knobs = pin(with_overrides(geometry, fam.profiles.get(bucket, {}), name), pinned)
+    if fam.refine is not None:
+        knobs = fam.refine(geometry, bucket, knobs)
+    return knobs if is_valid(geometry, knobs, name=name)[0] else pin(fam.base_defaults(geometry), pinned)
 
 
 def candidates(
@@ -259,7 +281,7 @@ def candidates(
     The default for ``tokens`` is always in the list.
     """
     fam = family(name)
-    base = default_knobs(geometry, tokens, name=name)
+    base = default_knobs(geometry, tokens, name=name, pinned=pinned)
     pinned = dict(pinned or {})
     axes: list[tuple[str, tuple[Any, ...]]] = []
     for spec in sorted(fam.specs, key=lambda s: not s.layout):  # stable: layout knobs first
@@ -280,9 +302,8 @@ def candidates(
         knobs = dataclasses.replace(base, **dict(zip((n for n, _ in axes), combo, strict=True)))
         if knobs not in out and is_valid(geometry, knobs, name=name)[0]:
             out.append(knobs)
-    pinned_base = pin(base, pinned)
-    if pinned_base not in out and is_valid(geometry, pinned_base, name=name)[0]:
-        out.insert(0, pinned_base)
+    if base not in out and is_valid(geometry, base, name=name)[0]:
+        out.insert(0, base)
     return out
 
 
@@ -307,8 +328,7 @@ def resolve_knobs(
             knobs = None
         if knobs is not None and is_valid(geometry, knobs, name=name)[0]:
             return knobs, "knob cache"
-    knobs = pin(default_knobs(geometry, bucket.tune_tokens, name=name), pinned)
-    return knobs, "defaults"
+    return default_knobs(geometry, bucket.tune_tokens, name=name, pinned=pinned), "defaults"
 
 
 __all__ = [
@@ -319,11 +339,13 @@ __all__ = [
     "CORRECTNESS",
     "FAMILIES",
     "PERFORMANCE",
+    "EP_TOKEN_BUCKETS",
     "TOKEN_BUCKETS",
     "KernelFamily",
     "KnobSpec",
     "TokenBucket",
     "as_knobs",
+    "bf16_refine",
     "bucket_of",
     "buckets_for",
     "candidates",

@@ -23,16 +23,17 @@ def _config(knobs=None) -> moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig:
 @pytest.mark.parametrize("knobs", [None, "auto"])
 def test_defaults_per_bucket_follow_the_measured_profiles(tmp_path: Path, knobs) -> None:
     p = tuning.layer_profiles(_config(knobs), 128, 4096, CTX, cache_path=tmp_path / "k.json")
-    assert [b.name for b in p.buckets] == ["decode", "mid", "prefill"]
+    assert [b.name for b in p.buckets] == ["single", "decode", "mid", "prefill"]
     assert set(p.sources.values()) == {"defaults"}
-    assert len(p.distinct()) == 3  # decode, mid (the base defaults) and prefill profiles
-    decode, mid, prefill = (p.frontends[b].knobs for b in ("decode", "mid", "prefill"))
+    assert len(p.distinct()) == 4  # single (decode + FC1 split), decode, mid (the base defaults), prefill
+    single, decode, mid, prefill = (p.frontends[b].knobs for b in ("single", "decode", "mid", "prefill"))
     assert (decode.tile_m, decode.fc2_tile_n) == (64, 128) and (prefill.tile_m, prefill.fc2_tile_n) == (128, 256)
     assert (mid.cluster_m, prefill.cluster_m) == (1, 2)
-    assert decode.fc1_tile_n == prefill.fc1_tile_n  # one weight layout per layer
+    assert single.fc1_split_n and not any(k.fc1_split_n for k in (decode, mid, prefill))
+    assert single.fc1_tile_n == decode.fc1_tile_n == prefill.fc1_tile_n  # one weight layout per layer
     assert p.primary is p.frontends["prefill"]
     small = tuning.layer_profiles(_config(knobs), 128, 32, CTX, cache_path=tmp_path / "k.json")
-    assert list(small.frontends) == ["decode"]
+    assert list(small.frontends) == ["single", "decode"]
 
 
 def test_explicit_knobs_serve_every_bucket() -> None:
@@ -50,11 +51,15 @@ def test_cached_buckets_take_the_largest_buckets_layout(tmp_path: Path) -> None:
     for bucket, knobs in (("decode", {"tile_m": 64, "fc1_tile_n": 64}), ("prefill", {"fc1_tile_n": 256})):
         drop.knob_cache.record(drop.knob_cache.KnobKey.make(drop.tuner.BF16, g, bucket, CTX), knobs, path)
     p = tuning.layer_profiles(_config(), 128, 4096, CTX, cache_path=path)
-    assert p.sources == {"decode": "knob cache", "mid": "defaults", "prefill": "knob cache"}
-    assert {b: fe.knobs.fc1_tile_n for b, fe in p.frontends.items()} == {"decode": 256, "mid": 256, "prefill": 256}
-    assert p.frontends["decode"].knobs.tile_m == 64 and len(p.distinct()) == 2
+    assert p.sources == {"single": "defaults", "decode": "knob cache", "mid": "defaults", "prefill": "knob cache"}
+    assert {fe.knobs.fc1_tile_n for fe in p.frontends.values()} == {256}
+    assert p.frontends["decode"].knobs.tile_m == 64 and len(p.distinct()) == 3  # mid and prefill share one
     chosen = tuning.layer_profiles(_config("auto"), 128, 4096, CTX, cache_path=path, chosen={"mid": {"tile_m": 64}})
     assert chosen.sources["mid"] == "autotune" and chosen.frontends["mid"].knobs.fc1_tile_n == 256
+    # a cached 128-wide layout reaches the single bucket too: no split there then, still valid
+    drop.knob_cache.record(drop.knob_cache.KnobKey.make(drop.tuner.BF16, g, "prefill", CTX), {"fc1_tile_n": 128}, path)
+    narrow = tuning.layer_profiles(_config(), 128, 4096, CTX, cache_path=path)
+    assert narrow.frontends["single"].knobs.fc1_tile_n == 128 and not narrow.frontends["single"].knobs.fc1_split_n
 
 
 def test_tune_without_a_gpu_names_what_is_missing(capsys) -> None:

@@ -1,6 +1,6 @@
 """Token buckets, knob cache and collective autotune of the SM90 BF16 expert-parallel kernel.
 
-Token buckets: ``drop.tuner.TOKEN_BUCKETS`` over the GLOBAL token count ``world_size * T`` (the rows per
+Token buckets: ``drop.tuner.EP_TOKEN_BUCKETS`` over the GLOBAL token count ``world_size * T`` (the rows per
 expert that the owners' GEMMs see scale with it, as T does at world size 1), chosen per forward from
 this rank's ``T`` (a host shape; under a CUDA graph the captured rows). Each bucket has one knob set:
 ``tile_m``, ``fc1_tile_n``, ``fc2_tile_n``, ``cluster_m``, ``dispatch``; the FC1 tile is the weight layout,
@@ -57,12 +57,14 @@ def ep_context(device: torch.device, world_size: int, loopback: bool) -> Any:
 
 def ep_buckets(world_size: int, max_tokens: int) -> tuple[Any, ...]:
     """The token buckets a layer of per-rank capacity ``max_tokens`` reaches (global T), smallest first."""
-    return _drop().tuner.buckets_for(world_size * max(1, max_tokens))
+    tuner = _drop().tuner
+    return tuner.buckets_for(world_size * max(1, max_tokens), tuner.EP_TOKEN_BUCKETS)
 
 
 def bucket_of(world_size: int, tokens: int) -> str:
     """The bucket of a forward with ``tokens`` rows on this rank."""
-    return _drop().tuner.bucket_of(world_size * tokens)
+    tuner = _drop().tuner
+    return tuner.bucket_of(world_size * tokens, tuner.EP_TOKEN_BUCKETS)
 
 
 def bucket_plan(world_size: int, max_tokens: int) -> list[tuple[Any, int]]:

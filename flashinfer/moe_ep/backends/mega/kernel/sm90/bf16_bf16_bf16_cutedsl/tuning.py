@@ -188,7 +188,7 @@ def autotune_profiles(
             return lambda: fe.launch(x, ids, weights, pw13, pw2, out, ws)
 
         cands = tuner.candidates(geometry, t, pinned=pinned, allow_nondeterministic=allow_nondeterministic)
-        incumbent = tuner.pin(tuner.default_knobs(geometry, t), pinned)  # in ``cands`` (tuner.candidates)
+        incumbent = tuner.default_knobs(geometry, t, pinned=pinned)  # in ``cands`` (tuner.candidates)
         try:
             result = drop.autotune.autotune(
                 cands,
