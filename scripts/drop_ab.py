@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""A layer on this drop against the same layer on another drop's kernels, in one run (world size 1).
+
+For a kernel maintainer's new drop: are its kernels faster, and (for a change meant to be exact) are
+its outputs bit for bit those of the drop before? Two layers are built alike (same contract, backend,
+weights, NVFP4 calibration, knobs); the second one loads, for every kernel it needs, the library of
+``--other`` (a kernel cache built from another drop checkout) whose key equals this drop's key in all
+but the drop version and source digest. Then, per T: both outputs on the same inputs (``bitwise`` or
+the largest difference), and the median ms of each, timed interleaved in rounds over rotating inputs
+so that clock drift reaches both alike. Random weights and inputs, never zeros. GPU machine:
+
+    here:  git worktree add /tmp/old <rev> && (cd /tmp/old && CUTE_DSL_ARCH=sm_90a python -m flashinfer.moe_ep
+           build --backend ... --contract ... --cache /work/main/.kcache-old)   (and this drop's cache)
+    there: source .gpu/env.sh && FLASHINFER_MOE_EP_KERNEL_CACHE=.kcache python scripts/drop_ab.py \\
+           --other .kcache-old --contract qwen3-30b-a3b --backend sm90_nvfp4_nvfp4_bf16_cutedsl --tokens 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import flashinfer.moe_ep as moe
+from flashinfer.moe_ep.cli.backends import choose_backend
+from flashinfer.moe_ep.cli.bench import launch_times_ms, make_bench_layer
+from flashinfer.moe_ep.core.contracts import get_contract
+from flashinfer.moe_ep.core.inputs import make_expert_weights, make_hidden_states, make_topk
+from flashinfer.moe_ep.kernel_src.cutedsl_megamoe.shim import frontend, kernel_cache
+
+#: the parts of a kernel key that must agree between the two drops (not the version or digest)
+SAME = ("kernel", "dsl_version", "arch", "geometry", "knobs")
+
+
+def _identity(key: dict[str, Any]) -> str:
+    return json.dumps({k: key[k] for k in SAME}, sort_keys=True)
+
+
+def index_cache(root: Path) -> dict[str, tuple[Path, str]]:
+    """identity -> (library, exported function) of every complete entry of the kernel cache ``root``."""
+    out = {}
+    for key_file in root.glob("*/key.json"):
+        key = kernel_cache.KernelKey(**json.loads(key_file.read_text()))
+        lib = kernel_cache.lib_path(key, root)
+        if lib.is_file():
+            out[_identity(key.as_dict())] = (lib, key.function_name)
+    return out
+
+
+class OtherDropLoader:
+    """While active, every frontend loads its kernel from the other drop's cache (no compile)."""
+
+    def __init__(self, other: dict[str, tuple[Path, str]]) -> None:
+        self.other, self.loaded = other, []
+        self.saved = frontend.KernelFrontend.load
+
+    def __enter__(self) -> OtherDropLoader:
+        loader = self
+
+        def load(fe: Any, root: Path | None = None, *, allow_compile: bool = True) -> Any:
+            if fe._fn is None:
+                ident = _identity(fe.key.as_dict())
+                if ident not in loader.other:
+                    raise SystemExit(f"--other has no library for {ident}: build it from the other checkout")
+                lib, fn = loader.other[ident]
+                fe._fn = kernel_cache.load_function(lib, fn)
+                loader.loaded.append(lib.parent.name)
+            return fe._fn
+
+        frontend.KernelFrontend.load = load
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        frontend.KernelFrontend.load = self.saved
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--other", type=Path, required=True, help="kernel cache built from the other drop")
+    p.add_argument("--contract", nargs="+", required=True)
+    p.add_argument("--backend", required=True)
+    p.add_argument("--tokens", type=int, nargs="+", required=True)
+    p.add_argument("--knobs", default=None, help="JSON knobs for the backend config (default: the defaults)")
+    p.add_argument("--sets", type=int, default=3, help="rotating input sets")
+    p.add_argument("--rounds", type=int, default=6, help="interleaved rounds of --iters launches per layer")
+    p.add_argument("--iters", type=int, default=5)
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    entry, _ = choose_backend(args.backend, dev)
+    knobs = json.loads(args.knobs) if args.knobs else None
+    other = index_cache(args.other)
+    print(f"--other {args.other}: {len(other)} libraries")
+    rows = []
+    for name in args.contract:
+        c = get_contract(name)
+        wgen = torch.Generator(device=dev).manual_seed(7)
+        w13, w2 = make_expert_weights(c.num_experts, c.hidden_size, c.intermediate_size, c.activation,
+                                      generator=wgen, device=dev)  # fmt: skip
+        # the same calibration batch for both layers: one generator each, seeded alike
+        cap = max(args.tokens)
+        ours, _, _ = make_bench_layer(c, entry, w13, w2, knobs, cap, torch.Generator().manual_seed(7))
+        with OtherDropLoader(other) as loader:
+            theirs, _, _ = make_bench_layer(c, entry, w13, w2, knobs, cap, torch.Generator().manual_seed(7))
+        if not loader.loaded:
+            raise SystemExit("the other layer loaded no kernel while it was built: nothing to compare")
+        print(f"{name}: the other drop's layer runs {len(set(loader.loaded))} of its libraries")
+        gen = torch.Generator().manual_seed(11)
+        for t in args.tokens:
+            feed = []
+            for _ in range(args.sets):
+                x = make_hidden_states(t, c.hidden_size, generator=gen, device=dev)
+                ids, w = make_topk(t, c.num_experts, c.top_k, generator=gen, device=dev)
+                feed.append(moe.MoEEpTensors(x, ids, w))
+            outs = {lab: [torch.full((t, c.hidden_size), float("nan"), dtype=torch.bfloat16, device=dev)
+                          for _ in feed] for lab in ("ours", "theirs")}  # fmt: skip
+            layers = {"ours": ours, "theirs": theirs}
+            for lab, layer in layers.items():
+                for i, s in enumerate(feed):
+                    layer.forward(s, output=outs[lab][i])
+            torch.cuda.synchronize()
+            diff = max(float((a.float() - b.float()).abs().max()) if t else 0.0
+                       for a, b in zip(outs["ours"], outs["theirs"], strict=True))  # fmt: skip
+            same = all(torch.equal(a, b) for a, b in zip(outs["ours"], outs["theirs"], strict=True))
+            times: dict[str, list[float]] = {lab: [] for lab in layers}
+            for _ in range(args.rounds):
+                for lab, layer in layers.items():
+
+                    def fn(i: int, layer: Any = layer, feed: list = feed, out: list = outs[lab]) -> Any:
+                        return layer.forward(feed[i], output=out[i])
+
+                    times[lab] += launch_times_ms(fn, args.iters, args.sets)
+            ms = {lab: statistics.median(v) for lab, v in times.items()}
+            rows.append((name, t, ms["ours"], ms["theirs"], ms["theirs"] / ms["ours"], same, diff))
+            verdict = "bitwise equal" if same else f"differ (max {diff:.3g})"
+            print(f"  {name} T={t}: ours {ms['ours']:.4f} ms, other drop {ms['theirs']:.4f} ms, "
+                  f"x{ms['theirs'] / ms['ours']:.3f}, outputs {verdict}", flush=True)  # fmt: skip
+        ours.destroy()
+        theirs.destroy()
+        del w13, w2
+        torch.cuda.empty_cache()
+    print(f"\n{args.backend}: this drop against --other, median ms ({args.rounds} x {args.iters} interleaved launches)")
+    print(f"{'contract':16s} {'T':>6s} {'ours':>9s} {'other':>9s} {'x other':>8s}  outputs")
+    for name, t, a, b, r, same, diff in rows:
+        print(f"{name:16s} {t:6d} {a:9.4f} {b:9.4f} {r:8.3f}  {'bitwise' if same else f'max diff {diff:.3g}'}")
+    return 0 if all(r[5] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
