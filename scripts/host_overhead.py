@@ -7,11 +7,13 @@ enqueued behind a long ``torch.cuda._sleep`` (so the GPU never pushes back on th
 layer's ``forward``, the backend's ``compute``, the frontend's ``launch``, the bare TVM-FFI function,
 and the input validation alone; then prints a cProfile of ``forward``.
 
-    source .gpu/env.sh && FLASHINFER_MOE_EP_KERNEL_CACHE=.kcache python scripts/host_overhead.py
+    source .gpu/env.sh && FLASHINFER_MOE_EP_KERNEL_CACHE=.kcache python scripts/host_overhead.py \
+        [--backend sm90_mxfp8_mxfp8_bf16_cutedsl] [--contract qwen3-30b-a3b]
 """
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import io
 import pstats
@@ -24,6 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import flashinfer.moe_ep as moe
+from flashinfer.moe_ep.cli.backends import choose_backend
+from flashinfer.moe_ep.cli.bench import make_bench_layer
 from flashinfer.moe_ep.core.contracts import get_contract
 from flashinfer.moe_ep.core.inputs import make_expert_weights, make_hidden_states, make_topk
 from flashinfer.moe_ep.core.validation import check_forward_inputs
@@ -45,28 +49,45 @@ def per_call_us(fn, n: int = 100, rounds: int = 5) -> float:
     return sorted(samples)[len(samples) // 2]
 
 
+def bare_launch(be: object, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> tuple:
+    """(frontend.launch of T rows, the TVM-FFI function with its arguments) of the backend's bucket."""
+    t = x.shape[0]
+    if hasattr(be, "_by_bucket"):  # BF16
+        from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import tuner
+
+        fe, ws = be._by_bucket[tuner.bucket_of(t)]
+        args = (x, ids, w, be.w13, be.w2, out, *ws.values())
+        return (lambda: fe.launch(x, ids, w, be.w13, be.w2, out, ws)), fe.load(), args
+    from flashinfer.moe_ep.backends.mega.kernel.sm90.block_scaled import token_bucket
+
+    bucket = token_bucket(t, be.config.top_k, be.num_local_experts)
+    fe, ws, pw = be.frontends[bucket], be.workspace[bucket], be.weights
+    args = (x, be.no_scales, ids, w, pw.w13, pw.w13_scale, pw.w2, pw.w2_scale, pw.w13_gscale, pw.w2_gscale,
+            be.act_gscale, out, *ws.values())  # fmt: skip
+    return (lambda: fe.launch(x, be.no_scales, ids, w, pw, be.act_gscale, out, ws)), fe.load(), args
+
+
 def main() -> int:
-    c = get_contract("qwen3-30b-a3b")
-    cfg = moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(c.hidden_size, c.intermediate_size, c.num_experts, c.top_k)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", default="sm90_bf16_bf16_bf16_cutedsl")
+    p.add_argument("--contract", default="qwen3-30b-a3b")
+    a = p.parse_args()
+    c = get_contract(a.contract)
+    entry, _ = choose_backend(a.backend, torch.device("cuda"))
     w13, w2 = make_expert_weights(c.num_experts, c.hidden_size, c.intermediate_size, device="cuda")
-    layer = moe.MoEEpLayer(moe.BootstrapConfig(device="cuda"), moe.FleetParams(c.num_experts, 4096, c.hidden_size),
-                           moe.MoEWeightPack(w13, w2), moe.MegaConfig(cfg), check_values=False)  # fmt: skip
-    layer.warmup()
+    layer, _, _ = make_bench_layer(c, entry, w13, w2, None, 4096, torch.Generator().manual_seed(7))
     be = layer.backend
     t = 1
     x = make_hidden_states(t, c.hidden_size, device="cuda")
     ids, w = make_topk(t, c.num_experts, c.top_k, device="cuda")
     out = torch.empty(t, c.hidden_size, dtype=torch.bfloat16, device="cuda")
     inputs = moe.MoEEpTensors(x, ids, w)
-    from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import tuner
-
-    fe, ws = be._by_bucket[tuner.bucket_of(t)]
-    fn = fe.load()
-    args = (x, ids, w, be.w13, be.w2, out, *ws.values())
+    launch, fn, args = bare_launch(be, x, ids, w, out)
+    print(f"{a.backend} {a.contract} T = {t}", flush=True)
     rows = [
         ("layer.forward", lambda: layer.forward(inputs, output=out)),
         ("backend.compute", lambda: be.compute(inputs, out)),
-        ("frontend.launch", lambda: fe.launch(x, ids, w, be.w13, be.w2, out, ws)),
+        ("frontend.launch", launch),
         ("TVM-FFI fn (5 kernels)", lambda: fn(*args)),
         ("check_forward_inputs", lambda: check_forward_inputs(x, ids, w, hidden_size=c.hidden_size, top_k=c.top_k,
                                                               num_experts=c.num_experts, max_tokens=4096,
