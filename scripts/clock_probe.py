@@ -33,7 +33,7 @@ from flashinfer.moe_ep.cli.bench import back_to_back_ms, launch_times_ms, make_b
 from flashinfer.moe_ep.cli.clocks import ClockSampler, nvidia_smi_id, timed_window
 from flashinfer.moe_ep.config import MoEEpTensors
 from flashinfer.moe_ep.core.contracts import get_contract
-from flashinfer.moe_ep.core.inputs import make_expert_weights, make_hidden_states, make_topk
+from flashinfer.moe_ep.core.inputs import make_contract_weights, make_hidden_states, make_topk
 
 
 def main() -> int:
@@ -70,10 +70,7 @@ def main() -> int:
         entry, _ = choose_backend("sm90_bf16_bf16_bf16_cutedsl", dev)
         for name in a.contract:
             c = get_contract(name)
-            wgen = torch.Generator(device=dev).manual_seed(1234)
-            w13, w2 = make_expert_weights(
-                c.num_experts, c.hidden_size, c.intermediate_size, c.activation, generator=wgen, device=dev
-            )
+            w13, w2 = make_contract_weights(c, seed=1234, device=dev)
             layer, _, _ = make_bench_layer(c, entry, w13, w2, None, max(a.tokens), gen)
             for t in a.tokens:
                 feed = []

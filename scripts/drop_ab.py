@@ -32,7 +32,7 @@ import flashinfer.moe_ep as moe
 from flashinfer.moe_ep.cli.backends import choose_backend
 from flashinfer.moe_ep.cli.bench import launch_times_ms, make_bench_layer
 from flashinfer.moe_ep.core.contracts import get_contract
-from flashinfer.moe_ep.core.inputs import make_expert_weights, make_hidden_states, make_topk
+from flashinfer.moe_ep.core.inputs import make_contract_weights, make_hidden_states, make_topk
 from flashinfer.moe_ep.kernel_src.cutedsl_megamoe.shim import frontend, kernel_cache
 
 #: the parts of a kernel key that must agree between the two drops (not the version or digest)
@@ -100,9 +100,7 @@ def main() -> int:
     rows = []
     for name in args.contract:
         c = get_contract(name)
-        wgen = torch.Generator(device=dev).manual_seed(7)
-        w13, w2 = make_expert_weights(c.num_experts, c.hidden_size, c.intermediate_size, c.activation,
-                                      generator=wgen, device=dev)  # fmt: skip
+        w13, w2 = make_contract_weights(c, seed=7, device=dev)
         # the same calibration batch for both layers: one generator each, seeded alike
         cap = max(args.tokens)
         ours, _, _ = make_bench_layer(c, entry, w13, w2, knobs, cap, torch.Generator().manual_seed(7))

@@ -29,7 +29,7 @@ import flashinfer.moe_ep as moe
 from flashinfer.moe_ep.cli.backends import choose_backend
 from flashinfer.moe_ep.cli.bench import make_bench_layer
 from flashinfer.moe_ep.core.contracts import get_contract
-from flashinfer.moe_ep.core.inputs import make_expert_weights, make_hidden_states, make_topk
+from flashinfer.moe_ep.core.inputs import make_contract_weights, make_hidden_states, make_topk
 from flashinfer.moe_ep.core.validation import check_forward_inputs
 
 
@@ -74,7 +74,7 @@ def main() -> int:
     a = p.parse_args()
     c = get_contract(a.contract)
     entry, _ = choose_backend(a.backend, torch.device("cuda"))
-    w13, w2 = make_expert_weights(c.num_experts, c.hidden_size, c.intermediate_size, device="cuda")
+    w13, w2 = make_contract_weights(c, seed=7, device="cuda")
     layer, _, _ = make_bench_layer(c, entry, w13, w2, None, 4096, torch.Generator().manual_seed(7))
     be = layer.backend
     t = 1

@@ -25,7 +25,7 @@ import flashinfer.moe_ep as moe
 from flashinfer.moe_ep.cli.backends import choose_backend
 from flashinfer.moe_ep.cli.bench import make_bench_layer
 from flashinfer.moe_ep.core.contracts import get_contract
-from flashinfer.moe_ep.core.inputs import make_expert_weights, make_hidden_states, make_topk
+from flashinfer.moe_ep.core.inputs import make_contract_weights, make_hidden_states, make_topk
 
 
 def main() -> int:
@@ -40,10 +40,8 @@ def main() -> int:
     c = get_contract(args.contract)
     dev = torch.device("cuda")
     entry, _ = choose_backend(args.backend, dev)
-    wgen = torch.Generator(device=dev).manual_seed(7)  # weights drawn on the GPU (deepseek-v3: 22.5 GB)
     gen = torch.Generator().manual_seed(7)  # inputs: the CPU generator the input helpers take
-    w13, w2 = make_expert_weights(c.num_experts, c.hidden_size, c.intermediate_size, c.activation, generator=wgen,
-                                  device=dev)  # fmt: skip
+    w13, w2 = make_contract_weights(c, seed=7, device=dev)  # drawn on the GPU (deepseek-v3: 22.5 GB)
     knobs = json.loads(args.knobs) if args.knobs else None
     layer, _, _ = make_bench_layer(c, entry, w13, w2, knobs, max(args.tokens), gen)
     for t in args.tokens:

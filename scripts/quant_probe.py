@@ -62,7 +62,7 @@ def run() -> None:
     import torch
 
     from flashinfer.moe_ep.core.contracts import get_contract
-    from flashinfer.moe_ep.core.inputs import make_expert_weights, make_hidden_states, make_topk
+    from flashinfer.moe_ep.core.inputs import make_contract_weights, make_hidden_states, make_topk
     from flashinfer.moe_ep.core.reference_quant import quantize_expert_weights
     from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import QuantKnobs, allocate_shared_workspace, kernel_cache
 
@@ -70,9 +70,7 @@ def run() -> None:
     rows = []
     for contract, t in CASES:
         c = get_contract(contract)
-        gen = torch.Generator(device=dev).manual_seed(0)
-        w13, w2 = make_expert_weights(c.num_experts, c.hidden_size, c.intermediate_size, c.activation,
-                                      generator=gen, device=dev)  # fmt: skip
+        w13, w2 = make_contract_weights(c, seed=0, device=dev)
         qs = {fmt: quantize_expert_weights(w13, w2, fmt) for fmt in ("mxfp8", "nvfp4")}
         del w13, w2
         sets = []

@@ -35,16 +35,14 @@ def main() -> int:
 
     import flashinfer.moe_ep as moe
     from flashinfer.moe_ep.core.contracts import get_contract
-    from flashinfer.moe_ep.core.inputs import make_expert_weights, make_hidden_states, make_topk
+    from flashinfer.moe_ep.core.inputs import make_contract_weights, make_hidden_states, make_topk
     from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import tuner
 
     dev = torch.device("cuda")
     rows = []
     for name in a.contract:
         c = get_contract(name)
-        gen = torch.Generator(device=dev).manual_seed(7)
-        w13, w2 = make_expert_weights(c.num_experts, c.hidden_size, c.intermediate_size, c.activation,
-                                      generator=gen, device=dev)  # fmt: skip
+        w13, w2 = make_contract_weights(c, seed=7, device=dev)
         layers = {}
         for label, knob_cache in (("defaults", "off"), ("tuned", str(a.knob_cache))):
             os.environ["FLASHINFER_MOE_EP_KNOB_CACHE"] = knob_cache  # read when the layer resolves knobs

@@ -25,7 +25,7 @@ from ..backends.mega.kernel.sm90.runtime import prequantized_inputs
 from ..config import BootstrapConfig, FleetParams, MegaConfig, MoEEpTensors, MoEWeightPack
 from ..core.baselines import grouped_mm_moe
 from ..core.contracts import get_contract
-from ..core.inputs import make_expert_weights, make_hidden_states, make_topk, relative_errors, rounding_ulps
+from ..core.inputs import make_contract_weights, make_hidden_states, make_topk, relative_errors, rounding_ulps
 from ..core.reference import moe_reference
 from ..core.reference_quant import moe_reference_quantized, nvfp4_static_scales, quantize_expert_weights
 from ..errors import MoEEpConfigError
@@ -294,10 +294,7 @@ def bench_contract(
     c = get_contract(name)
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(1234)
-    wgen = torch.Generator(device=dev).manual_seed(1234)  # weights drawn on the GPU (deepseek-v3: 22.5 GB)
-    w13, w2 = make_expert_weights(
-        c.num_experts, c.hidden_size, c.intermediate_size, c.activation, generator=wgen, device=dev
-    )
+    w13, w2 = make_contract_weights(c, seed=1234, device=dev)  # drawn on the GPU (deepseek-v3: 22.5 GB)
     inputs_of: dict[int, list[MoEEpTensors]] = {}
     for t in tokens:
         inputs_of[t] = []

@@ -7,10 +7,15 @@ expert 0, the rest uniformly), ``empty`` (only the first half of the experts is 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..errors import MoEEpConfigError
 from .activations import fc1_rows
+
+if TYPE_CHECKING:
+    from .contracts import ModelContract
 
 ROUTINGS = ("uniform", "skewed", "empty", "one_expert")
 
@@ -80,6 +85,18 @@ def make_expert_weights(
         b = torch.randn(hidden_size, intermediate_size, generator=generator, device=where) * intermediate_size**-0.5
         w2[e] = b.to(dtype)
     return w13, w2
+
+
+def make_contract_weights(
+    contract: ModelContract, *, seed: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``make_expert_weights`` of a model contract, drawn on ``device`` by a generator seeded ``seed``
+    (so the same seed gives the same weights to every script and backend)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    c = contract
+    return make_expert_weights(
+        c.num_experts, c.hidden_size, c.intermediate_size, c.activation, generator=gen, device=device
+    )
 
 
 def relative_errors(out: torch.Tensor, ref: torch.Tensor, floor: float = 1e-2) -> tuple[float, float]:
