@@ -209,6 +209,11 @@ def variants() -> list[dict]:
         "sg_dl128t": dict(tile_m=64, fc1_tile_n=128, fc2_tile_n=128, fc1_tiled=True),
         # the single bucket's profile (drop v20): FC1 tiles of 128 over the 256 layout
         "split": dict(tile_m=64, fc1_tile_n=256, fc2_tile_n=128, fc1_tiled=True, fc1_split_n=True),
+        # the same and the decode profile with drop v20's separate row-map launch after a single routing CTA
+        "split_rmap0": dict(
+            tile_m=64, fc1_tile_n=256, fc2_tile_n=128, fc1_tiled=True, fc1_split_n=True, route_maps_rows=False
+        ),
+        "dl_rmap0": dict(tile_m=64, fc1_tile_n=256, fc2_tile_n=128, fc1_tiled=True, route_maps_rows=False),
     }
     for tag, kw in explore.items():
         out.append(
@@ -233,6 +238,7 @@ def variants() -> list[dict]:
         "sg_dl_on": dict(tile_m=64, fc1_tile_n=256, fc2_tile_n=128, fc1_tiled=True),
         "sg_dl128t": dict(tile_m=64, fc1_tile_n=128, fc2_tile_n=128, fc1_tiled=True),
         "split": dict(tile_m=64, fc1_tile_n=256, fc2_tile_n=128, fc1_tiled=True, fc1_split_n=True),
+        "dl_rmap0": dict(tile_m=64, fc1_tile_n=256, fc2_tile_n=128, fc1_tiled=True, route_maps_rows=False),
     }
     for tag, kw in explore_ds.items():
         out.append(

@@ -7,7 +7,7 @@ GEMM M tile never straddles two experts. Padding rows hold stale data: the GEMMs
 
 Routing scales with T: ``route_kernel`` (one CTA per 128 pairs up to one per SM: smem histograms, one
 global atomic per CTA and expert, the last CTA does the padded scan and the M-block map; a single CTA,
-at T * K <= 128, scans its own histogram) and ``gather_kernel``, which
+at T * K <= 128, scans its own histogram and can write the row map too) and ``gather_kernel``, which
 turns each pair's in-CTA rank into its final row while it copies the token, or ``row_map_kernel``,
 which only records the rows (pair -> row and row -> token) when FC1 gathers its own A rows.
 """
@@ -40,10 +40,13 @@ def route_kernel(
     expert_off: cute.Tensor,  # (E,) int32 out: first (padded) row of each expert segment
     m_block_expert: cute.Tensor,  # (M_cap / tile_m,) int32 out: expert | real_rows << 16
     meta: cute.Tensor,  # (META_LEN,) int32 out
+    pair_row: cute.Tensor,  # (>= T*K,) int32 out with ``map_rows`` on a grid of one CTA (else not touched)
+    row_token: cute.Tensor,  # (>= M_cap,) int32 out likewise
     num_experts: cutlass.Constexpr[int],
     tile_m: cutlass.Constexpr[int],
     block_multiple: cutlass.Constexpr[int],
     pair_by_expert: cutlass.Constexpr[bool],
+    map_rows: cutlass.Constexpr[bool],
 ):
     """Routing in one launch (grid G1 <= the rows of ``cta_base``, ROUTING_THREADS threads; the
     gathers take G1 as ``num_route_ctas``).
@@ -52,7 +55,9 @@ def route_kernel(
     reserves its slots in each expert segment with one global atomic per (CTA, expert). The last
     CTA to finish (done-counter) runs the padded exclusive scan over the experts, writes the
     M-block map and re-zeroes the counters for the next call. A grid of one CTA skips the global
-    counters: its histogram is the counts (``expert_count`` stays zero).
+    counters: its histogram is the counts (``expert_count`` stays zero); with ``map_rows`` it also
+    writes what ``row_map_kernel`` would (``pair_row``, ``row_token``), so the caller launches no row
+    map after a single routing CTA (drop v21: one kernel less in the decode chain at T * K <= 128).
 
     Slot order depends on atomic order; the GEMM result of a row does not depend on its position,
     so the final output stays bitwise deterministic.
@@ -90,6 +95,13 @@ def route_kernel(
         _scan_experts(
             cnt, expert_off, m_block_expert, meta, s_hist, num_experts, tile_m, block_multiple, pair_by_expert
         )
+        if cutlass.const_expr(map_rows):
+            cute.arch.sync_threads()  # every expert's offset written (global writes, visible in the CTA)
+            top_k = topk_ids.shape[1]
+            for p in cutlass.range(tid, num_pairs, nthr):  # the pairs this thread ranked above
+                row = expert_off[ids_flat[p]] + pair_rank[p]
+                pair_row[p] = row
+                row_token[row] = p // top_k
     else:
         if tid < num_experts:
             c = s_hist[tid]

@@ -6,7 +6,8 @@
    reservations; the last CTA computes the padded per-expert offsets, the expert of every M block
    and the block count (a single CTA, at T * K <= 128, straight from its histogram);
 2. row map: final row of every (token, k) pair (``pair_row``) and the token of every real row
-   (``row_token``, held in the first 4 * M_cap bytes of ``a_buf`` until FC2 overwrites it);
+   (``row_token``, held in the first 4 * M_cap bytes of ``a_buf`` until FC2 overwrites it); written
+   by the routing kernel itself when its grid is one CTA (``route_maps_rows``), then not launched;
    with ``gather_in_fc1=False`` the gather instead: ``a_buf[row] = x[token]``;
 3. FC1 grouped GEMM with the activation fused in the epilogue -> ``h_buf`` [M_cap, I]; its A rows
    come from ``x`` through ``row_token`` (or from ``a_buf``);
@@ -71,6 +72,9 @@ class Sm90MegaMoEBf16Kernel:
         CTAs where few experts are touched. Gated activations, ``fc1_tile_n=256`` and ``cluster_m=1``
         only. Measured on H200 (TUNING.md, session 12 run 13): qwen3-30b-a3b T = 1 8 % faster
         (48 -> 96 FC1 CTAs), 1-3 % slower from T = 2 and on deepseek-v3 (already 128 FC1 CTAs at T = 1).
+    :param route_maps_rows: with ``gather_in_fc1``, a routing grid of one CTA (T * K <= 128, sized grids)
+        also writes the row map, and the row-map kernel is not launched: four kernels instead of five
+        (drop v21). False: drop v20's chain, for A/B runs.
     :param stage_mask: debugging/profiling only: bit i enables stage i (routing, gather, FC1,
         FC2, combine); anything but 0b11111 gives wrong results (and masking out routing leaves
         ``expert_count`` non-zero).
@@ -100,8 +104,10 @@ class Sm90MegaMoEBf16Kernel:
         stage_mask: int = 0b11111,
         sized_grids: bool = True,
         fc1_split_n: bool = False,
+        route_maps_rows: bool = True,
     ) -> None:
         self.sized_grids = sized_grids
+        self.route_maps_rows = route_maps_rows
         if activation not in constants.ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}")
         self.activation = activation
@@ -189,6 +195,12 @@ class Sm90MegaMoEBf16Kernel:
                 num_pairs if self.gather_in_fc1 else items, self.aux_threads, self.aux_grid
             )
             combine_ctas = aux_kernels.launch_ctas(items, self.aux_threads, self.aux_grid)
+        # The row -> token map lives in a_buf until FC2 writes y there (FC2 starts after FC1 ends).
+        row_token = cute.make_tensor(
+            cute.recast_ptr(a_buf.iterator, dtype=cutlass.Int32), cute.make_layout(a_buf.shape[0])
+        )
+        # A single routing CTA writes the row map itself (route_maps_rows): no row-map launch then.
+        map_in_routing = self.gather_in_fc1 and self.route_maps_rows and self.stage_mask & 3 == 3
         if cutlass.const_expr(self.stage_mask & 1):
             aux_kernels.route_kernel(
                 topk_ids,
@@ -198,30 +210,33 @@ class Sm90MegaMoEBf16Kernel:
                 expert_off,
                 m_block_expert,
                 meta,
+                pair_row,
+                row_token,
                 num_experts,
                 self.tile_m,
                 self.cluster_m,
                 self.pair_by_expert,
+                map_in_routing,
             ).launch(
                 grid=[route_ctas, 1, 1],
                 block=[constants.ROUTING_THREADS, 1, 1],
                 stream=stream,
                 use_pdl=pdl,
             )
-        # The row -> token map lives in a_buf until FC2 writes y there (FC2 starts after FC1 ends).
-        row_token = cute.make_tensor(
-            cute.recast_ptr(a_buf.iterator, dtype=cutlass.Int32), cute.make_layout(a_buf.shape[0])
-        )
         if cutlass.const_expr(self.stage_mask & 2):
             if cutlass.const_expr(self.gather_in_fc1):
-                aux_kernels.row_map_kernel(
-                    topk_ids, pair_rank, expert_off, cta_base, pair_row, row_token, route_ctas
-                ).launch(
-                    grid=[map_ctas, 1, 1],
-                    block=[self.aux_threads, 1, 1],
-                    stream=stream,
-                    use_pdl=pdl,
-                )
+                launch_map = True
+                if cutlass.const_expr(map_in_routing):
+                    launch_map = route_ctas > 1  # a run-time test: the routing grid follows T
+                if launch_map:
+                    aux_kernels.row_map_kernel(
+                        topk_ids, pair_rank, expert_off, cta_base, pair_row, row_token, route_ctas
+                    ).launch(
+                        grid=[map_ctas, 1, 1],
+                        block=[self.aux_threads, 1, 1],
+                        stream=stream,
+                        use_pdl=pdl,
+                    )
             else:
                 aux_kernels.gather_kernel(
                     x, topk_ids, pair_rank, expert_off, cta_base, pair_row, a_buf, route_ctas, self.aux_vpt

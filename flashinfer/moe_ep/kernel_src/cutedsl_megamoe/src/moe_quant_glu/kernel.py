@@ -132,9 +132,12 @@ class Sm90MegaMoEQuantKernel:
             expert_off,
             m_block_expert,
             meta,
+            pair_row,
+            pair_row,  # no row map here (the gather writes pair_row): placeholders
             num_experts,
             self.tile_m,
             1,
+            False,
             False,
         ).launch(grid=[route_ctas, 1, 1], block=[constants.ROUTING_THREADS, 1, 1], stream=stream, use_pdl=pdl)
         if cutlass.const_expr(self.prequantized):
