@@ -63,13 +63,10 @@ def default_bf16_knobs(geometry: Geometry) -> Bf16Knobs:
 
 
 def split_fc1_pays(geometry: Geometry, knobs: Bf16Knobs) -> bool:
-    """Whether ``fc1_split_n`` is valid for ``knobs`` and pays at T = 1: one token touches ``top_k``
-    experts, so FC1 runs ``top_k * N1 / fc1_tile_n`` CTAs; the split pays while twice that still fits
-    the persistent grid (qwen3-30b-a3b: 48 -> 96 of 132; qwen3-235b-a22b 96 and deepseek-v3 128 do not
-    double)."""
-    gated = geometry.activation in kh.constants.GATED_ACTIVATIONS
-    if not gated or knobs.fc1_tile_n != 256 or knobs.cluster_m != 1:
-        return False
+    """Whether ``fc1_split_n`` pays at T = 1 (whether it is valid is ``Bf16Frontend.check``'s): one token
+    touches ``top_k`` experts, so FC1 runs ``top_k * N1 / fc1_tile_n`` CTAs; the split pays while twice
+    that still fits the persistent grid (qwen3-30b-a3b: 48 -> 96 of 132; qwen3-235b-a22b 96 and
+    deepseek-v3 128 do not double)."""
     return 2 * geometry.top_k * (2 * geometry.intermediate // knobs.fc1_tile_n) <= knobs.num_sms
 
 

@@ -152,11 +152,12 @@ BF16_PROFILES_SOURCE = (
 
 
 def bf16_refine(geometry: Geometry, bucket: str, knobs: Bf16Knobs) -> Bf16Knobs:
-    """The geometry-dependent part of a BF16 profile: in ``single``, the FC1 split where it pays
-    (``bf16.split_fc1_pays``)."""
-    if bucket == "single" and split_fc1_pays(geometry, knobs):
-        return dataclasses.replace(knobs, fc1_split_n=True)
-    return knobs
+    """The geometry-dependent part of a BF16 profile: in ``single``, the FC1 split where it is valid
+    (``is_valid``: gated, the 256 layout, no cluster) and pays (``bf16.split_fc1_pays``)."""
+    if bucket != "single" or not split_fc1_pays(geometry, knobs):
+        return knobs
+    split = dataclasses.replace(knobs, fc1_split_n=True)
+    return split if is_valid(geometry, split)[0] else knobs
 
 
 @dataclass(frozen=True)
