@@ -65,6 +65,16 @@ def bare_launch(be: object, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
     return (lambda: fe.launch(x, be.no_scales, ids, w, pw, be.act_gscale, out, ws)), fe.load(), args
 
 
+def per_call_us(fn, n: int = 100, rounds: int = 5) -> float:
+    """Median over ``rounds`` of ``round_us`` after 20 warm-up calls (one case alone; ``main`` interleaves
+    its cases instead). ``gpu_kernel_check.py --phase host`` times its libraries with it."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    samples = sorted(round_us(fn, n) for _ in range(rounds))
+    return samples[len(samples) // 2]
+
+
 def cases(layer: moe.MoEEpLayer, c: object, t: int) -> dict[str, object]:
     """The timed calls of one layer at T = ``t``: name -> zero-argument function."""
     be = layer.backend
