@@ -50,6 +50,12 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--device-name", default="NVIDIA H200", help="GPU whose knob-cache entries to build for")
     p.add_argument("--force", action="store_true", help="rebuild even when cached")
+    p.add_argument(
+        "--resources",
+        action="store_true",
+        help="list every kernel's registers, local memory (spills) and static shared memory (needs cuobjdump: "
+        "a CUDA toolkit or `pip install nvidia-cuda-cuobjdump`); exit 1 if a kernel spills",
+    )
     p.set_defaults(func=run)
 
 
@@ -114,9 +120,41 @@ def _bf16_ep_frontends(cfg: Any, world_size: int, max_tokens: int, context: Any)
         raise MoEEpConfigError(f"{cfg.kernel_name}: {exc}") from None
 
 
+class _ResourceReport:
+    """``build --resources``: each library's kernels after it is built, and whether any spills."""
+
+    def __init__(self, enabled: bool) -> None:
+        from ..kernel_src.cutedsl_megamoe import kernel_resources
+
+        self.mod = kernel_resources
+        self.tool = kernel_resources.find_cuobjdump() if enabled else None
+        if enabled and self.tool is None:
+            raise MoEEpConfigError(
+                "--resources needs cuobjdump: install a CUDA toolkit or `pip install nvidia-cuda-cuobjdump`"
+            )
+        self.spilling: list[str] = []
+
+    def add(self, label: str, lib: object) -> None:
+        if self.tool is None:
+            return
+        resources = self.mod.kernel_resources(lib, self.tool)  # type: ignore[arg-type]
+        print(self.mod.describe(resources), flush=True)
+        self.spilling += [f"{label}: {r.short_name} ({r.local} B local)" for r in resources if r.local]
+
+    def status(self) -> int:
+        if self.tool is None:
+            return 0
+        if self.spilling:
+            print("kernels spilling registers to local memory:\n  " + "\n  ".join(self.spilling))
+            return 1
+        print("resources: no kernel spills")
+        return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    report = _ResourceReport(args.resources)
     root = Path(args.cache).expanduser() if args.cache else None
     if args.prequantized_input and args.backend not in BLOCK_SCALED:
         raise MoEEpConfigError("--prequantized-input applies to the block-scaled backends (--backend ...mxfp8/nvfp4)")
@@ -127,7 +165,8 @@ def run(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             lib = fe.build(root, force=args.force)  # type: ignore[attr-defined]
             print(f"[{i}/{len(qjobs)}] {label}: {lib} ({time.perf_counter() - t0:.1f} s)", flush=True)
-        return 0
+            report.add(label, lib)
+        return report.status()
     context = tuning.tune_context_named(args.device_name, args.world_size)
     jobs = []
     for name, cfg, e_local in _configs(args):
@@ -144,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{i}/{len(jobs)}] {label}: {tuning.describe_knobs(fe.knobs)} ...", flush=True)
         lib = fe.build(root, force=args.force)
         print(f"[{i}/{len(jobs)}] {label}: {lib} ({time.perf_counter() - t0:.1f} s)", flush=True)
-    return 0
+        report.add(label, lib)
+    return report.status()
 
 
 __all__ = ["add_parser", "run"]

@@ -6,7 +6,7 @@ cutlass (kernels are compiled or loaded only when a frontend asks for them).
 
 from __future__ import annotations
 
-from .shim import autotune, comm, frontend, kernel_cache, kernel_helpers, knob_cache, tuner, vendor
+from .shim import autotune, comm, frontend, kernel_cache, kernel_helpers, kernel_resources, knob_cache, tuner, vendor
 from .shim._paths import SRC_DIR
 from .shim.audit import audit_src
 from .shim.bf16 import Bf16Frontend, Bf16Knobs, default_bf16_knobs
@@ -79,6 +79,7 @@ __all__ = [
     "dsl_available",
     "frontend",
     "kernel_cache",
+    "kernel_resources",
     "kernel_helpers",
     "knob_cache",
     "prepare_compile_env",

@@ -16,7 +16,7 @@ from flashinfer.moe_ep.cli import main as cli_main
 from flashinfer.moe_ep.core.contracts import CONTRACTS
 from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
 from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import frontend as frontend_mod
-from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import kernel_cache
+from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import kernel_cache, kernel_resources
 
 pytestmark = pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")
 
@@ -32,10 +32,13 @@ def _frontend(name: str = "tiny", **knobs):
 
 
 def test_build_every_default_variant_for_sm90a(tmp_path: Path, capsys) -> None:
-    """Every contract, every token bucket's default kernel (what a server with the defaults loads)."""
+    """Every contract, every token bucket's default kernel (what a server with the defaults loads); with
+    cuobjdump (the test extras) also that no kernel of them spills registers (``build --resources``)."""
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    assert cli_main(["build", "--contract", "all", "--cache", str(tmp_path)]) == 0
+    audit = ["--resources"] if kernel_resources.find_cuobjdump() else []
+    assert cli_main(["build", "--contract", "all", "--cache", str(tmp_path), *audit]) == 0
     out = capsys.readouterr().out
+    assert not audit or "resources: no kernel spills" in out
     keys = kernel_cache.entries(tmp_path)
     assert f"build: {len(keys)} kernel(s)" in out and f"[{len(keys)}/{len(keys)}]" in out
     assert len(keys) >= len(CONTRACTS)

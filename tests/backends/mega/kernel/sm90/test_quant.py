@@ -29,7 +29,7 @@ from flashinfer.moe_ep.core.quant import unpack_e2m1
 from flashinfer.moe_ep.core.reference_quant import quantize_expert_weights
 from flashinfer.moe_ep.errors import MoEEpBackendUnavailableError, MoEEpConfigError
 from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
-from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import kernel_cache
+from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import kernel_cache, kernel_resources
 from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import kernel_helpers as kh
 
 FORMATS = ("mxfp8", "nvfp4")
@@ -233,11 +233,14 @@ def test_layer_on_cpu_names_what_is_missing(fmt: str) -> None:
 @pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_build_every_default_variant_for_sm90a(fmt: str, tmp_path: Path, capsys) -> None:
-    """Every contract's decode and prefill kernels compile and export for sm_90a on this CPU machine."""
+    """Every contract's decode and prefill kernels compile and export for sm_90a on this CPU machine; with
+    cuobjdump (the test extras) none of them spills registers (``build --resources``)."""
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     backend = CONFIG[fmt].kernel_name
-    assert cli_main(["build", "--backend", backend, "--contract", "all", "--cache", str(tmp_path)]) == 0
+    audit = ["--resources"] if kernel_resources.find_cuobjdump() else []
+    assert cli_main(["build", "--backend", backend, "--contract", "all", "--cache", str(tmp_path), *audit]) == 0
     out = capsys.readouterr().out
+    assert not audit or "resources: no kernel spills" in out
     keys = kernel_cache.entries(tmp_path)
     assert f"build: {len(keys)} kernel(s)" in out
     want = {fe.key.digest() for c in CONTRACTS.values() for fe in bucket_frontends(

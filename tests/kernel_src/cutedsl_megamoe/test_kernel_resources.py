@@ -1,0 +1,74 @@
+"""``shim.kernel_resources``: device images cut out of a host library, kernel names, and the resource
+table of a freshly built library (registers, no spills) read on the CPU with cuobjdump."""
+
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
+from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import kernel_resources as kr
+
+
+def _elf(machine: int, payload: bytes) -> bytes:
+    """A minimal ELF64: header, one section header, then ``payload`` as the section's bytes."""
+    header = bytearray(64)
+    header[:4] = b"\x7fELF"
+    header[4], header[5] = 2, 1  # 64-bit, little endian
+    struct.pack_into("<H", header, 0x12, machine)
+    struct.pack_into("<QQ", header, 0x20, 0, 64)  # no program headers; section headers at 64
+    struct.pack_into("<HHHH", header, 0x36, 56, 0, 64, 1)
+    section = bytearray(64)
+    struct.pack_into("<I", section, 4, 1)  # PROGBITS
+    struct.pack_into("<QQ", section, 0x18, 128, len(payload))
+    return bytes(header + section + payload)
+
+
+def test_device_images_cuts_each_cuda_elf_to_its_length() -> None:
+    cubin_a, cubin_b = _elf(kr.EM_CUDA, b"A" * 40), _elf(kr.EM_CUDA, b"B" * 8)
+    host = _elf(62, b"host code")  # x86-64: the library itself, not device code
+    blob = host + b"\0" * 24 + cubin_a + b"junk" + _elf(62, b"another host elf") + cubin_b + b"tail"
+    assert kr.device_images(blob) == [cubin_a, cubin_b]
+    assert kr.device_images(host + b"no device code here") == []
+
+
+def test_short_names_drop_the_dsl_mangling() -> None:
+    def res(name: str) -> kr.KernelResources:
+        return kr.KernelResources(name, 1, 0, 0, 0)
+
+    gemm = (
+        "kernel_cutlass_kernel_flashinfermoe_epkernel_srccutedsl_megamoesrcmoe_bf16_glugrouped_gemmGroupedGemmSm90"
+        "_object_at__CopyAtom_ThrID10_TVLayoutSrc1409601_Valuetypebf16_t_3"
+    )
+    assert res(gemm).short_name == "GroupedGemmSm90#3"
+    route = "kernel_cutlass_route_kernel_tensorptri32gmemalign16o881_tensorptri32gmemalign16o1_0"
+    assert res(route).short_name == "route_kernel#0"
+
+
+def test_missing_cuobjdump_names_the_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kr, "find_cuobjdump", lambda: None)
+    with pytest.raises(FileNotFoundError, match="pip install nvidia-cuda-cuobjdump"):
+        kr.kernel_resources(tmp_path / "lib.so")
+
+
+@pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")
+@pytest.mark.skipif(kr.find_cuobjdump() is None, reason="needs cuobjdump (pip install .[test])")
+def test_resources_of_a_built_library(tmp_path: Path) -> None:
+    """``build --resources`` on the tiny contract (its own process: cutlass takes the target arch at
+    import): the decode chain's kernels in launch order, registers within the hardware limit, nothing
+    in local memory."""
+    cmd = [sys.executable, "-m", "flashinfer.moe_ep", "build", "--contract", "tiny", "--cache", str(tmp_path)]
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
+    run = subprocess.run([*cmd, "--resources"], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "resources: no kernel spills" in run.stdout and "GroupedGemmSm90#2" in run.stdout
+    lib = next(tmp_path.glob("moe_bf16_glu-*/*.so"))
+    resources = kr.kernel_resources(lib)
+    names = [r.short_name.split("#")[0] for r in resources]
+    assert names[0] == "route_kernel" and names.count("GroupedGemmSm90") == 2 and names[-1] == "combine_kernel"
+    assert all(0 < r.registers <= 255 and r.local == 0 for r in resources)
