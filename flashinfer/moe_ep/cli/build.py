@@ -124,10 +124,10 @@ class _ResourceReport:
     """``build --resources``: each library's kernels after it is built, and whether any spills."""
 
     def __init__(self, enabled: bool) -> None:
-        from ..kernel_src.cutedsl_megamoe import kernel_resources
+        from ..backends.mega.kernel.drops import load_drop
 
-        self.mod = kernel_resources
-        self.tool = kernel_resources.find_cuobjdump() if enabled else None
+        self.mod = load_drop("cutedsl_megamoe").kernel_resources
+        self.tool = self.mod.find_cuobjdump() if enabled else None
         if enabled and self.tool is None:
             raise MoEEpConfigError(
                 "--resources needs cuobjdump: install a CUDA toolkit or `pip install nvidia-cuda-cuobjdump`"
