@@ -2,11 +2,17 @@
 (BF16 inputs) or dequantized (pre-quantized inputs).
 
 Routing and combine are the BF16 kernel's (``moe_bf16_glu.aux_kernels``); only the gather differs:
-every 32 consecutive hidden elements of a token (MXFP8: one block; NVFP4: two blocks) are
+every 32 consecutive hidden elements of a token (an item: MXFP8 one block, NVFP4 two blocks) are
 quantized-dequantized (``quant_gather_kernel``; NVFP4 with the static global scale ``act_gscale[0]``)
 or dequantized from the given codes and block scales (``dequant_gather_kernel``) and written as
 exact BF16 to the token's K rows of ``a_buf``. The NVFP4 global scale is left to the GEMMs (applied
 to their fp32 accumulators) either way.
+
+An item takes ``LANES`` = 8 lanes of a warp, 4 elements each: the block amax meets over the block's
+lanes by shuffles, lane j looks up the rows of pairs j, j + 8, ... and shuffles them to the others, and
+every lane stores its 8 bytes to each of the K rows (8 lanes: 64 contiguous bytes). One thread per item
+(drop v21 and before) left a decode-sized batch with a few CTAs, each thread a chain of loads, 32
+conversions and 32 stores: 9.5 us at T = 16 on qwen3-30b-a3b (Nsight Compute, TUNING.md session 14).
 
 The expert-parallel kernel (``ep_kernel``) prepares the rows on the source rank instead:
 ``quant_rows_kernel`` writes every live token's row, quantized-dequantized or dequantized the same
@@ -21,7 +27,9 @@ from ..moe_bf16_glu.aux_kernels import item_grid
 from ..moe_bf16_glu.ep_kernels import aborted, live_count
 from ..src import block_quant as bq
 
-ITEM = 32  # hidden elements per thread item: one MXFP8 block, two NVFP4 blocks
+ITEM = 32  # hidden elements per item: one MXFP8 block, two NVFP4 blocks
+LANES = 8  # lanes per item in the world-size-1 gathers
+PER_LANE = ITEM // LANES  # hidden elements per lane
 
 
 @cute.kernel
@@ -37,27 +45,39 @@ def quant_gather_kernel(
     num_route_ctas: cutlass.Int32,  # the routing kernel's grid (its chunking)
     fmt: cutlass.Constexpr[str],
 ):
-    hidden = x.shape[1]
+    """The grid covers ``LANES`` threads per item (``gather_threads``)."""
     num_tokens = x.shape[0]
     top_k = topk_ids.shape[1]
-    nitem = hidden // ITEM
+    nitem = x.shape[1] // ITEM
     first, stride, chunk = item_grid(num_tokens, top_k, num_route_ctas)
-    frag = cute.make_rmem_tensor((1, ITEM), x.element_type)
-    vals = cute.make_rmem_tensor((1, ITEM), cutlass.Float32)
-    qfrag = cute.make_rmem_tensor((1, ITEM), x.element_type)
-    rows = cute.make_rmem_tensor((top_k,), cutlass.Int32)
+    lane = cute.arch.lane_idx()
+    j = lane % LANES
+    frag = cute.make_rmem_tensor((1, PER_LANE), x.element_type)
+    vals = cute.make_rmem_tensor((1, PER_LANE), cutlass.Float32)
+    qfrag = cute.make_rmem_tensor((1, PER_LANE), x.element_type)
     gs = cutlass.Float32(1.0)
     if cutlass.const_expr(fmt == constants.FMT_NVFP4):
         gs = act_gscale[0]
-    for item in cutlass.range(first, num_tokens * nitem, stride):
-        t = item // nitem
-        g = item - t * nitem
-        _qdq_item(x, t, g, frag, vals, fmt, gs)
+    slots = num_tokens * nitem * LANES
+    # Warp-uniform trip count (the shuffles need every lane); lanes past the end redo the last slot and store nothing.
+    for base in cutlass.range(first - lane, slots, stride):
+        slot = cutlass.min(base + lane, slots - 1)
+        t = slot // (nitem * LANES)
+        g = slot // LANES - t * nitem
+        cute.autovec_copy(cute.local_tile(x, (1, PER_LANE), (t, g * LANES + j)), frag)
+        vals.store(frag.load().to(cutlass.Float32))
+        v = [vals[0, i] for i in range(PER_LANE)]
+        if cutlass.const_expr(fmt == constants.FMT_MXFP8):
+            q = bq.mxfp8_qdq(v, _lanes_amax(bq.block_amax(v), ITEM // PER_LANE))
+        else:
+            q = bq.nvfp4_qdq(v, _lanes_amax(bq.block_amax(v), constants.QUANT_BLOCK[fmt] // PER_LANE), gs)
+        for i in cutlass.range_constexpr(PER_LANE):
+            vals[0, i] = q[i]
         qfrag.store(vals.load().to(x.element_type))
-        _write_rows(qfrag, t, g, topk_ids, pair_rank, expert_off, cta_base, a_buf, rows, chunk)
-        if g == 0:
-            for k in cutlass.range_constexpr(top_k):
-                pair_row[t * top_k + k] = rows[k]
+        _write_lane_rows(
+            qfrag, t, g, j, lane - j, base + lane < slots, topk_ids, pair_rank, expert_off, cta_base, pair_row, a_buf,
+            chunk,
+        )  # fmt: skip
 
 
 @cute.kernel
@@ -78,21 +98,37 @@ def dequant_gather_kernel(
     requantization, so the GEMMs see the given values whatever rule chose their scales."""
     num_tokens = xq.shape[0]
     top_k = topk_ids.shape[1]
-    nitem = x_scale.shape[1] // (ITEM // constants.QUANT_BLOCK[fmt])
+    block = constants.QUANT_BLOCK[fmt]
+    nitem = x_scale.shape[1] // (ITEM // block)
     first, stride, chunk = item_grid(num_tokens, top_k, num_route_ctas)
-    raw = cute.make_rmem_tensor((1, _item_bytes(fmt)), cutlass.Uint8)
-    vals = cute.make_rmem_tensor((1, ITEM), cutlass.Float32)
-    qfrag = cute.make_rmem_tensor((1, ITEM), a_buf.element_type)
-    rows = cute.make_rmem_tensor((top_k,), cutlass.Int32)
-    for item in cutlass.range(first, num_tokens * nitem, stride):
-        t = item // nitem
-        g = item - t * nitem
-        _dequant_item(xq, x_scale, t, g, raw, vals, fmt)
+    lane = cute.arch.lane_idx()
+    j = lane % LANES
+    lane_bytes = _item_bytes(fmt) // LANES  # MXFP8 4 codes, NVFP4 2 bytes of E2M1 pairs
+    raw = cute.make_rmem_tensor((1, lane_bytes), cutlass.Uint8)
+    vals = cute.make_rmem_tensor((1, PER_LANE), cutlass.Float32)
+    qfrag = cute.make_rmem_tensor((1, PER_LANE), a_buf.element_type)
+    slots = num_tokens * nitem * LANES
+    for base in cutlass.range(first - lane, slots, stride):  # warp-uniform, as in quant_gather_kernel
+        slot = cutlass.min(base + lane, slots - 1)
+        t = slot // (nitem * LANES)
+        g = slot // LANES - t * nitem
+        cute.autovec_copy(cute.local_tile(xq, (1, lane_bytes), (t, g * LANES + j)), raw)
+        scale_byte = cutlass.Uint32(x_scale[t, g * (ITEM // block) + j * PER_LANE // block])
+        if cutlass.const_expr(fmt == constants.FMT_MXFP8):
+            scale = bq.ue8m0_to_f32(scale_byte)
+            for i in cutlass.range_constexpr(PER_LANE):
+                vals[0, i] = bq.e4m3_to_f32(cutlass.Uint32(raw[0, i])) * scale
+        else:
+            scale = bq.e4m3_to_f32(scale_byte)
+            for i in cutlass.range_constexpr(lane_bytes):  # element 2i in the low nibble
+                byte = cutlass.Uint32(raw[0, i])
+                vals[0, 2 * i] = bq.e2m1_to_f32(byte & cutlass.Uint32(0xF)) * scale
+                vals[0, 2 * i + 1] = bq.e2m1_to_f32(byte >> 4) * scale
         qfrag.store(vals.load().to(a_buf.element_type))
-        _write_rows(qfrag, t, g, topk_ids, pair_rank, expert_off, cta_base, a_buf, rows, chunk)
-        if g == 0:
-            for k in cutlass.range_constexpr(top_k):
-                pair_row[t * top_k + k] = rows[k]
+        _write_lane_rows(
+            qfrag, t, g, j, lane - j, base + lane < slots, topk_ids, pair_rank, expert_off, cta_base, pair_row, a_buf,
+            chunk,
+        )  # fmt: skip
 
 
 @cute.kernel
@@ -136,6 +172,11 @@ def quant_rows_kernel(
             for j in cutlass.range_constexpr(ITEM // vec):
                 dst = cute.local_tile(x_sym, (1, vec), (t, g * (ITEM // vec) + j))
                 cute.autovec_copy(cute.local_tile(qfrag, (1, vec), (0, j)), dst)
+
+
+def gather_threads(num_tokens, hidden: int):
+    """Threads of a world-size-1 gather's grid: ``LANES`` per item."""
+    return num_tokens * (hidden // ITEM) * LANES
 
 
 def _item_bytes(fmt: str) -> int:
@@ -184,18 +225,45 @@ def _dequant_item(xq, x_scale, t, g, raw, vals, fmt: str) -> None:
                 vals[0, 16 * b + 2 * i + 1] = bq.e2m1_to_f32(byte >> 4) * scale
 
 
-def _write_rows(qfrag, t, g, topk_ids, pair_rank, expert_off, cta_base, a_buf, rows, chunk) -> None:
-    """Item ``g`` (32 BF16 values in ``qfrag``) of token ``t`` to the token's K rows of ``a_buf``
-    (their indices left in ``rows``)."""
-    vec = constants.BF16_PER_16B
+def _lanes_amax(m: cutlass.Float32, lanes: int) -> cutlass.Float32:
+    """Max of ``m`` over the ``lanes`` (2, 4 or 8) lanes of an aligned lane group (butterfly shuffles)."""
+    step = 1
+    while step < lanes:
+        m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, step))
+        step *= 2
+    return m
+
+
+@cute.jit
+def _write_lane_rows(
+    qfrag: cute.Tensor,  # this lane's PER_LANE BF16 values of item g
+    t: cutlass.Int32,
+    g: cutlass.Int32,
+    j: cutlass.Int32,  # this lane's place in the item's lane group
+    group0: cutlass.Int32,  # the group's first lane
+    active: cutlass.Boolean,
+    topk_ids: cute.Tensor,
+    pair_rank: cute.Tensor,
+    expert_off: cute.Tensor,
+    cta_base: cute.Tensor,
+    pair_row: cute.Tensor,
+    a_buf: cute.Tensor,
+    chunk: cutlass.Int32,
+) -> None:
+    """This lane's part of item ``g`` of token ``t`` to the token's K rows of ``a_buf``: lane j of the group
+    finds the rows of pairs j, j + LANES, ... and shuffles them to the group (item 0 also records them in
+    ``pair_row``)."""
     top_k = topk_ids.shape[1]
-    for k in range(top_k):
+    mine = []
+    for r in cutlass.range_constexpr((top_k + LANES - 1) // LANES):
+        k = cutlass.min(j + r * LANES, top_k - 1)  # lanes past K look up a valid pair, unused
         p = t * top_k + k
         e = topk_ids[t, k]
-        rows[k] = expert_off[e] + cta_base[p // chunk, e] + pair_rank[p]
-    nvec = ITEM // vec
-    for k in range(top_k):
-        for j in range(nvec):
-            cute.autovec_copy(
-                cute.local_tile(qfrag, (1, vec), (0, j)), cute.local_tile(a_buf, (1, vec), (rows[k], g * nvec + j))
-            )
+        mine.append(expert_off[e] + cta_base[p // chunk, e] + pair_rank[p])
+    for k in cutlass.range_constexpr(top_k):
+        row = cute.arch.shuffle_sync(mine[k // LANES], group0 + k % LANES)
+        if active:
+            cute.autovec_copy(qfrag, cute.local_tile(a_buf, (1, PER_LANE), (row, g * LANES + j)))
+            if g == 0:
+                if j == k % LANES:
+                    pair_row[t * top_k + k] = row

@@ -23,7 +23,7 @@ import cutlass.cute as cute
 
 from ..common import constants
 from ..moe_bf16_glu import aux_kernels
-from .aux_kernels import ITEM, dequant_gather_kernel, quant_gather_kernel
+from .aux_kernels import dequant_gather_kernel, gather_threads, quant_gather_kernel
 from .dequant_gemm import DequantGroupedGemmSm90
 from .swap_gemm import SwapDequantGemmSm90
 
@@ -121,7 +121,7 @@ class Sm90MegaMoEQuantKernel:
         num_tokens, top_k = topk_ids.shape[0], topk_ids.shape[1]
         # Grids sized to the work (moe_bf16_glu.aux_kernels.launch_ctas): one CTA or a few at small T.
         route_ctas = aux_kernels.launch_ctas(num_tokens * top_k, aux_kernels.ROUTE_PAIRS_PER_CTA, self.num_sms)
-        gather_ctas = aux_kernels.launch_ctas(num_tokens * (out.shape[1] // ITEM), self.aux_threads, self.aux_grid)
+        gather_ctas = aux_kernels.launch_ctas(gather_threads(num_tokens, out.shape[1]), self.aux_threads, self.aux_grid)
         combine_items = num_tokens * (out.shape[1] // (constants.BF16_PER_16B * self.aux_vpt))
         combine_ctas = aux_kernels.launch_ctas(combine_items, self.aux_threads, self.aux_grid)
         aux_kernels.route_kernel(
