@@ -39,8 +39,8 @@ class KernelResources:
     def short_name(self) -> str:
         """The kernel without CuTe DSL's mangling: the kernel class of a method (``GroupedGemmSm90#2``, the
         ordinal telling its instances apart) or the function name (``route_kernel``)."""
-        ordinal = re.search(r"_(\d+)$", self.name)
-        suffix = f"#{ordinal.group(1)}" if ordinal else ""
+        ordinal = _ordinal(self.name)
+        suffix = f"#{ordinal}" if ordinal >= 0 else ""
         cls = re.search(r"([A-Z][A-Za-z0-9]*Sm90[A-Za-z0-9]*)_object_at", self.name)
         if cls:
             return cls.group(1) + suffix
@@ -54,7 +54,8 @@ def find_cuobjdump() -> str | None:
     if found:
         return found
     spec = importlib.util.find_spec("nvidia")
-    for root in spec.submodule_search_locations or [] if spec else []:
+    roots = (spec.submodule_search_locations or []) if spec else []
+    for root in roots:
         for sub in ("cu13", "cu12", "cuda_cuobjdump"):
             path = Path(root) / sub / "bin" / "cuobjdump"
             if path.is_file() and os.access(path, os.X_OK):
