@@ -35,24 +35,6 @@ from flashinfer.moe_ep.core.contracts import get_contract
 from flashinfer.moe_ep.core.inputs import make_contract_weights, make_hidden_states, make_topk
 from flashinfer.moe_ep.kernel_src.cutedsl_megamoe.shim import frontend, kernel_cache
 
-#: the parts of a kernel key that must agree between the two drops (not the version or digest)
-SAME = ("kernel", "dsl_version", "arch", "geometry", "knobs")
-
-
-def _identity(key: dict[str, Any]) -> str:
-    return json.dumps({k: key[k] for k in SAME}, sort_keys=True)
-
-
-def index_cache(root: Path) -> dict[str, tuple[Path, str]]:
-    """identity -> (library, exported function) of every complete entry of the kernel cache ``root``."""
-    out = {}
-    for key_file in root.glob("*/key.json"):
-        key = kernel_cache.KernelKey(**json.loads(key_file.read_text()))
-        lib = kernel_cache.lib_path(key, root)
-        if lib.is_file():
-            out[_identity(key.as_dict())] = (lib, key.function_name)
-    return out
-
 
 class OtherDropLoader:
     """While active, every frontend loads its kernel from the other drop's cache (no compile)."""
@@ -66,7 +48,7 @@ class OtherDropLoader:
 
         def load(fe: Any, root: Path | None = None, *, allow_compile: bool = True) -> Any:
             if fe._fn is None:
-                ident = _identity(fe.key.as_dict())
+                ident = kernel_cache.variant_identity(fe.key.as_dict())
                 if ident not in loader.other:
                     raise SystemExit(f"--other has no library for {ident}: build it from the other checkout")
                 lib, fn = loader.other[ident]
@@ -95,7 +77,7 @@ def main() -> int:
     dev = torch.device("cuda")
     entry, _ = choose_backend(args.backend, dev)
     knobs = json.loads(args.knobs) if args.knobs else None
-    other = index_cache(args.other)
+    other = kernel_cache.index_by_variant(args.other)
     print(f"--other {args.other}: {len(other)} libraries")
     rows = []
     for name in args.contract:

@@ -1,5 +1,6 @@
-"""``shim.kernel_resources``: device images cut out of a host library, kernel names, and the resource
-table of a freshly built library (registers, no spills) read on the CPU with cuobjdump."""
+"""``shim.kernel_resources``: device images cut out of a host library, kernel names, the resource
+table of a freshly built library (registers, no spills) read on the CPU with cuobjdump, and the SASS
+of two libraries compared kernel by kernel."""
 
 from __future__ import annotations
 
@@ -56,6 +57,64 @@ def test_missing_cuobjdump_names_the_install(tmp_path: Path, monkeypatch: pytest
         kr.kernel_resources(tmp_path / "lib.so")
 
 
+_GEMM = "kernel_cutlass_kernel_moe_bf16_glugrouped_gemmGroupedGemmSm90_object_at__CopyAtom_ThrID10_{}"
+
+
+def _sass(*kernels: tuple[str, list[str]]) -> bytes:
+    """``cuobjdump -sass`` text for the given (name, instructions) kernels, encodings included."""
+    lines = ["", "\tcode for sm_90a", "\t.target\tsm_90a", ""]
+    for name, code in kernels:
+        lines += [f"\t\tFunction : {name}", '\t.headerflags\t@"EF_CUDA_SM90"']
+        for i, ins in enumerate(code):
+            lines += [f"        /*{16 * i:04x}*/                   {ins} ;      /* 0x0000000000007919 */",
+                      "                                          /* 0x000e2e0000002100 */"]  # fmt: skip
+    return "\n".join(lines).encode()
+
+
+def _fake_cuobjdump(tmp_path: Path) -> str:
+    """A stand-in for ``cuobjdump -sass FILE``: prints the payload of the synthetic image (at byte 128)."""
+    tool = tmp_path / "cuobjdump"
+    tool.write_text('#!/bin/sh\ntail -c +129 "$2"\n')
+    tool.chmod(0o755)
+    return str(tool)
+
+
+def test_sass_comparison_matches_kernels_by_name_and_counts_changes(tmp_path: Path) -> None:
+    route = "kernel_cutlass_route_kernel_tensorptri32gmemalign16o881_0"
+    old = [(route, ["S2R R2, SR_TID.X", "EXIT"]), (_GEMM.format(1), ["HGMMA.64x256x16", "EXIT"]),
+           (_GEMM.format(2), ["HGMMA.64x128x16", "BRA 0x10", "EXIT"])]  # fmt: skip
+    # The new drop renamed the routing kernel's parameters (the mangled name changes, not the short
+    # name), changed one instruction of the second GEMM and added a combine kernel.
+    new = [(route.replace("881", "882"), ["S2R R2, SR_TID.X", "EXIT"]),
+           (_GEMM.format(1), ["HGMMA.64x256x16", "EXIT"]),
+           (_GEMM.format(2), ["HGMMA.64x128x16", "BRA 0x20", "EXIT"]),
+           ("kernel_cutlass_combine_kernel_tensorptrbf16gmem_3", ["EXIT"])]  # fmt: skip
+    lib_a, lib_b = tmp_path / "a.so", tmp_path / "b.so"
+    lib_a.write_bytes(_elf(62, b"host") + _elf(kr.EM_CUDA, _sass(*old)))
+    lib_b.write_bytes(_elf(62, b"host") + _elf(kr.EM_CUDA, _sass(*new)))
+    tool = _fake_cuobjdump(tmp_path)
+    assert kr.kernel_sass(lib_a, tool) == {
+        "route_kernel#0": ["S2R R2, SR_TID.X", "EXIT"],
+        "GroupedGemmSm90#1": ["HGMMA.64x256x16", "EXIT"],
+        "GroupedGemmSm90#2": ["HGMMA.64x128x16", "BRA 0x10", "EXIT"],
+    }
+    verdicts = {c.name: c.verdict for c in kr.compare_sass(lib_a, lib_b, tool)}
+    assert verdicts == {
+        "route_kernel#0": "identical",
+        "GroupedGemmSm90#1": "identical",
+        "GroupedGemmSm90#2": "differs in 1 instruction(s)",
+        "combine_kernel#3": "only in b",
+    }
+
+
+def test_sass_without_a_disassembler_names_the_install(tmp_path: Path) -> None:
+    lib = tmp_path / "a.so"
+    # what cuobjdump -sass prints when it finds no nvdisasm: the target, no code
+    lib.write_bytes(_elf(62, b"host") + _elf(kr.EM_CUDA, b"\n\tcode for sm_90a\n"))
+    with pytest.raises(FileNotFoundError, match="nvidia-cuda-nvdisasm"):
+        kr.kernel_sass(lib, _fake_cuobjdump(tmp_path))
+
+
 @pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")
 @pytest.mark.skipif(kr.find_cuobjdump() is None, reason="needs cuobjdump (pip install .[test])")
 def test_resources_of_a_built_library(tmp_path: Path) -> None:
@@ -72,3 +131,9 @@ def test_resources_of_a_built_library(tmp_path: Path) -> None:
     names = [r.short_name.split("#")[0] for r in resources]
     assert names[0] == "route_kernel" and names.count("GroupedGemmSm90") == 2 and names[-1] == "combine_kernel"
     assert all(0 < r.registers <= 255 and r.local == 0 for r in resources)
+    # The SASS of two libraries: a library against itself is identical kernel by kernel; the decode and
+    # the prefill buckets' libraries (other tiles) are not.
+    libs = sorted(tmp_path.glob("moe_bf16_glu-*/*.so"))
+    same = kr.compare_sass(libs[0], libs[0])
+    assert len(same) == len(resources) and all(c.verdict == "identical" and c.count_a > 10 for c in same)
+    assert any(c.verdict != "identical" for c in kr.compare_sass(libs[0], libs[-1]))

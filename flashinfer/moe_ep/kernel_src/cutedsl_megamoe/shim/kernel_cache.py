@@ -130,6 +130,26 @@ def entries(root: Path | None = None) -> list[dict[str, Any]]:
     return out
 
 
+#: the parts of a key that name one variant across drops (not the drop's version or source digest)
+VARIANT_FIELDS = ("kernel", "dsl_version", "arch", "geometry", "knobs")
+
+
+def variant_identity(key: Mapping[str, Any]) -> str:
+    """The key without its drop: two drops' builds of one variant share it."""
+    return json.dumps({k: key[k] for k in VARIANT_FIELDS}, sort_keys=True)
+
+
+def index_by_variant(root: Path) -> dict[str, tuple[Path, str]]:
+    """variant identity -> (library, exported function) of every complete entry of the cache ``root``."""
+    out = {}
+    for key_file in sorted(Path(root).glob("*/key.json")):
+        key = KernelKey(**json.loads(key_file.read_text()))
+        lib = lib_path(key, root)
+        if lib.is_file():
+            out[variant_identity(key.as_dict())] = (lib, key.function_name)
+    return out
+
+
 _loaded: dict[str, Any] = {}
 _lock = threading.Lock()
 
@@ -153,8 +173,11 @@ __all__ = [
     "cache_root",
     "entries",
     "entry_dir",
+    "index_by_variant",
     "lib_path",
     "load_function",
     "lookup",
     "store",
+    "variant_identity",
+    "VARIANT_FIELDS",
 ]

@@ -114,6 +114,75 @@ def kernel_resources(lib: str | os.PathLike, cuobjdump: str | None = None) -> li
     return sorted(out, key=lambda r: _ordinal(r.name))
 
 
+_SASS_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
+
+
+def kernel_sass(lib: str | os.PathLike, cuobjdump: str | None = None) -> dict[str, list[str]]:
+    """Every kernel of the exported library ``lib`` as its SASS instructions (no addresses, no encodings),
+    keyed by ``short_name`` in launch order. ``cuobjdump -sass`` needs ``nvdisasm`` next to it or on
+    ``PATH`` (a CUDA toolkit or the ``nvidia-cuda-nvdisasm`` wheel); FileNotFoundError without."""
+    tool = cuobjdump or find_cuobjdump()
+    if tool is None:
+        raise FileNotFoundError("cuobjdump not found: install a CUDA toolkit or `pip install nvidia-cuda-cuobjdump`")
+    images = device_images(Path(lib).read_bytes())
+    if not images:
+        raise ValueError(f"{lib}: no CUDA device code found")
+    env = dict(os.environ, PATH=os.pathsep.join([str(Path(tool).parent), os.environ.get("PATH", "")]))
+    kernels: dict[str, list[str]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, image in enumerate(images):
+            cubin = Path(tmp) / f"image{i}.cubin"
+            cubin.write_bytes(image)
+            run = subprocess.run([tool, "-sass", str(cubin)], check=True, capture_output=True, text=True, env=env)
+            text = run.stdout
+            current: list[str] | None = None
+            for line in text.splitlines():
+                if line.strip().startswith("Function : "):
+                    current = kernels.setdefault(line.strip().removeprefix("Function : "), [])
+                elif current is not None and (m := _SASS_INSTRUCTION.search(line)):
+                    current.append(m.group(1))
+    if not kernels:
+        raise FileNotFoundError(f"{tool} -sass printed no code: it needs nvdisasm (`pip install nvidia-cuda-nvdisasm`)")
+    out: dict[str, list[str]] = {}
+    for name in sorted(kernels, key=_ordinal):
+        short = KernelResources(name, 0, 0, 0, 0).short_name
+        label, n = short, 2
+        while label in out:  # two kernels of one short name: number the later ones
+            label, n = f"{short}({n})", n + 1
+        out[label] = kernels[name]
+    return out
+
+
+@dataclass(frozen=True)
+class SassComparison:
+    """One kernel of two libraries: ``changed`` instructions differ (0: identical machine code)."""
+
+    name: str
+    count_a: int  # instructions in library a (0: not there)
+    count_b: int
+    changed: int
+
+    @property
+    def verdict(self) -> str:
+        if not self.count_a or not self.count_b:
+            return "only in " + ("b" if not self.count_a else "a")
+        return "identical" if not self.changed else f"differs in {self.changed} instruction(s)"
+
+
+def compare_sass(
+    lib_a: str | os.PathLike, lib_b: str | os.PathLike, cuobjdump: str | None = None
+) -> list[SassComparison]:
+    """The kernels of two libraries side by side, matched by ``short_name`` (for example two drops'
+    builds of one variant: a pure refactor leaves every kernel ``identical``)."""
+    a, b = kernel_sass(lib_a, cuobjdump), kernel_sass(lib_b, cuobjdump)
+    out = []
+    for name in list(a) + [n for n in b if n not in a]:
+        x, y = a.get(name, []), b.get(name, [])
+        changed = sum(i != j for i, j in zip(x, y, strict=False)) + abs(len(x) - len(y))
+        out.append(SassComparison(name, len(x), len(y), changed))
+    return out
+
+
 def _ordinal(name: str) -> int:
     """CuTe DSL numbers a host function's kernels in launch order (the mangled name's last field)."""
     m = re.search(r"_(\d+)$", name)
@@ -129,4 +198,13 @@ def describe(resources: list[KernelResources]) -> str:
     return "\n".join(rows)
 
 
-__all__ = ["KernelResources", "describe", "device_images", "find_cuobjdump", "kernel_resources"]
+__all__ = [
+    "KernelResources",
+    "SassComparison",
+    "compare_sass",
+    "describe",
+    "device_images",
+    "find_cuobjdump",
+    "kernel_resources",
+    "kernel_sass",
+]
