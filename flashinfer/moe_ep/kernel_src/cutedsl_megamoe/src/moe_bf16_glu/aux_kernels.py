@@ -40,8 +40,8 @@ def route_kernel(
     expert_off: cute.Tensor,  # (E,) int32 out: first (padded) row of each expert segment
     m_block_expert: cute.Tensor,  # (M_cap / tile_m,) int32 out: expert | real_rows << 16
     meta: cute.Tensor,  # (META_LEN,) int32 out
-    pair_row: cute.Tensor,  # (>= T*K,) int32 out with ``map_rows`` on a grid of one CTA (else not touched)
-    row_token: cute.Tensor,  # (>= M_cap,) int32 out likewise
+    pair_row: cute.Tensor | None,  # (>= T*K,) int32 out with ``map_rows`` on a grid of one CTA (else not touched)
+    row_token: cute.Tensor | None,  # (>= M_cap,) int32 out likewise (both may be None without ``map_rows``)
     num_experts: cutlass.Constexpr[int],
     tile_m: cutlass.Constexpr[int],
     block_multiple: cutlass.Constexpr[int],

@@ -238,7 +238,6 @@ class Sm90MegaMoEBf16EpKernel(EpProtocol):
         self.limit = limit
         self.stage_mask = stage_mask
         self.fc1 = GroupedGemmSm90(tile_m, fc1_tile_n, activation, limit, self.grid, fc1_stages, epi_direct, cluster_m)
-        self.fc1_layout_tile_n = fc1_tile_n  # w13's interleave (export.check_problem reads it)
         self.fc2 = GroupedGemmSm90(tile_m, fc2_tile_n, EPI_PLAIN, None, self.grid, fc2_stages, epi_direct, cluster_m)
 
     @cute.jit

@@ -35,7 +35,7 @@ def check_problem(kernel: Sm90MegaMoEBf16Kernel, hidden: int, inter: int, num_ex
     if hidden % constants.TILE_K or inter % constants.TILE_K:
         raise ValueError(f"H and I must be multiples of {constants.TILE_K}")
     n1 = 2 * inter if kernel.activation in constants.GATED_ACTIVATIONS else inter
-    tn1 = kernel.fc1_layout_tile_n
+    tn1 = kernel.fc1.layout_tile_n
     if n1 % tn1 or hidden % kernel.fc2.tile_n:
         raise ValueError(f"FC1 N={n1} must divide by fc1_tile_n={tn1} and H={hidden} by fc2_tile_n={kernel.fc2.tile_n}")
     if top_k < 1:
@@ -50,7 +50,7 @@ def fake_arguments(kernel: Sm90MegaMoEBf16Kernel, hidden: int, inter: int, num_e
     n1 = 2 * inter if kernel.activation in constants.GATED_ACTIVATIONS else inter
     t = cute.sym_int()
     m_cap = cute.sym_int()
-    tn, tk = kernel.fc1_layout_tile_n, constants.TILE_K
+    tn, tk = kernel.fc1.layout_tile_n, constants.TILE_K
     w13_shape = (num_experts, n1 // tn, hidden // tk, tn, tk) if kernel.fc1_tiled else (num_experts, n1, hidden)
 
     def mat(dtype: Any, shape: tuple) -> Any:

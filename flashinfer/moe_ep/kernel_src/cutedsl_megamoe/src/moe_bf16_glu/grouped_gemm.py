@@ -138,6 +138,12 @@ class GroupedGemmSm90:
         # Named barrier 1 syncs the consumer warpgroups around the epilogue smem buffers.
         self.epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
 
+    @property
+    def layout_tile_n(self) -> int:
+        """B rows per block of the weight layout (the gate/up interleave of a gated FC1): the N tile,
+        or two of them with ``split_n``."""
+        return 2 * self.tile_n if self.split_n else self.tile_n
+
     # ---------------------------------------------------------------- host-side setup (traced)
     def _setup(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor) -> None:
         self.ab_dtype = a.element_type

@@ -130,7 +130,6 @@ class Sm90MegaMoEBf16Kernel:
         if fc1_split_n and fc1_tile_n != 256:
             raise ValueError(f"fc1_split_n needs fc1_tile_n=256, got {fc1_tile_n}")
         self.fc1_split_n = fc1_split_n
-        self.fc1_layout_tile_n = fc1_tile_n  # w13's interleave / tile (FC1's N tile is half that with the split)
         self.fc1 = GroupedGemmSm90(
             tile_m,
             fc1_tile_n // 2 if fc1_split_n else fc1_tile_n,

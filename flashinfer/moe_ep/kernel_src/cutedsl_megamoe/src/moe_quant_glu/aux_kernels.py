@@ -114,16 +114,7 @@ def dequant_gather_kernel(
         g = slot // LANES - t * nitem
         cute.autovec_copy(cute.local_tile(xq, (1, lane_bytes), (t, g * LANES + j)), raw)
         scale_byte = cutlass.Uint32(x_scale[t, g * (ITEM // block) + j * PER_LANE // block])
-        if cutlass.const_expr(fmt == constants.FMT_MXFP8):
-            scale = bq.ue8m0_to_f32(scale_byte)
-            for i in cutlass.range_constexpr(PER_LANE):
-                vals[0, i] = bq.e4m3_to_f32(cutlass.Uint32(raw[0, i])) * scale
-        else:
-            scale = bq.e4m3_to_f32(scale_byte)
-            for i in cutlass.range_constexpr(lane_bytes):  # element 2i in the low nibble
-                byte = cutlass.Uint32(raw[0, i])
-                vals[0, 2 * i] = bq.e2m1_to_f32(byte & cutlass.Uint32(0xF)) * scale
-                vals[0, 2 * i + 1] = bq.e2m1_to_f32(byte >> 4) * scale
+        _dequant_codes(raw, 0, lane_bytes, scale_byte, vals, fmt)
         qfrag.store(vals.load().to(a_buf.element_type))
         _write_lane_rows(
             qfrag, t, g, j, lane - j, base + lane < slots, topk_ids, pair_rank, expert_off, cta_base, pair_row, a_buf,
@@ -211,18 +202,28 @@ def _dequant_item(xq, x_scale, t, g, raw, vals, fmt: str) -> None:
     nraw = _item_bytes(fmt) // 16
     for j in range(nraw):
         cute.autovec_copy(cute.local_tile(xq, (1, 16), (t, g * nraw + j)), cute.local_tile(raw, (1, 16), (0, j)))
+    scales = ITEM // constants.QUANT_BLOCK[fmt]  # block scales per item: MXFP8 1, NVFP4 2
+    per_scale = _item_bytes(fmt) // scales  # code bytes under one scale
+    for b in range(scales):
+        _dequant_codes(raw, b * per_scale, per_scale, cutlass.Uint32(x_scale[t, g * scales + b]), vals, fmt)
+
+
+def _dequant_codes(raw, first: int, nbytes: int, scale_byte, vals, fmt: str) -> None:
+    """Code bytes ``raw[first : first + nbytes]``, all under the block scale ``scale_byte``, into ``vals`` from
+    element ``first * (elements per byte)`` (fp32, exact): MXFP8 ``e4m3 * 2**(s - 127)`` (one code per
+    byte), NVFP4 ``e2m1 * e4m3 scale`` (two codes per byte, the element of even index low). The one
+    conversion of given codes: the world-size-1 gather (a lane's bytes) and the EP row preparation (an
+    item's blocks)."""
     if fmt == constants.FMT_MXFP8:
-        scale = bq.ue8m0_to_f32(cutlass.Uint32(x_scale[t, g]))
-        for i in range(ITEM):
-            vals[0, i] = bq.e4m3_to_f32(cutlass.Uint32(raw[0, i])) * scale
+        scale = bq.ue8m0_to_f32(scale_byte)
+        for i in range(nbytes):
+            vals[0, first + i] = bq.e4m3_to_f32(cutlass.Uint32(raw[0, first + i])) * scale
     else:
-        scales_per_item = ITEM // constants.QUANT_BLOCK[fmt]
-        for b in range(scales_per_item):
-            scale = bq.e4m3_to_f32(cutlass.Uint32(x_scale[t, g * scales_per_item + b]))
-            for i in range(8):  # 8 bytes = the block's 16 codes, element 2i low
-                byte = cutlass.Uint32(raw[0, 8 * b + i])
-                vals[0, 16 * b + 2 * i] = bq.e2m1_to_f32(byte & cutlass.Uint32(0xF)) * scale
-                vals[0, 16 * b + 2 * i + 1] = bq.e2m1_to_f32(byte >> 4) * scale
+        scale = bq.e4m3_to_f32(scale_byte)
+        for i in range(first, first + nbytes):
+            byte = cutlass.Uint32(raw[0, i])
+            vals[0, 2 * i] = bq.e2m1_to_f32(byte & cutlass.Uint32(0xF)) * scale
+            vals[0, 2 * i + 1] = bq.e2m1_to_f32(byte >> 4) * scale
 
 
 def _lanes_amax(m: cutlass.Float32, lanes: int) -> cutlass.Float32:

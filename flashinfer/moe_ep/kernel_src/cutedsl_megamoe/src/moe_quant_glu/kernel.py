@@ -132,8 +132,8 @@ class Sm90MegaMoEQuantKernel:
             expert_off,
             m_block_expert,
             meta,
-            pair_row,
-            pair_row,  # no row map here (the gather writes pair_row): placeholders
+            None,  # no row map here: the gather writes pair_row
+            None,
             num_experts,
             self.tile_m,
             1,
