@@ -9,6 +9,7 @@ kernels' comments measured one at 5x slower) is caught where the kernels are bui
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import os
@@ -17,6 +18,7 @@ import shutil
 import struct
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,23 +88,33 @@ def device_images(blob: bytes) -> list[bytes]:
     return images
 
 
-_RESOURCE_LINE = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
-
-
-def kernel_resources(lib: str | os.PathLike, cuobjdump: str | None = None) -> list[KernelResources]:
-    """Every kernel of the exported library ``lib``. Raises FileNotFoundError without ``cuobjdump``
-    and ValueError when the library embeds no device code."""
+@contextlib.contextmanager
+def _cubin_files(lib: str | os.PathLike, cuobjdump: str | None) -> Iterator[tuple[str, list[Path]]]:
+    """(cuobjdump, the device images of ``lib`` as cubin files) while the context lasts. Raises
+    FileNotFoundError without ``cuobjdump`` and ValueError when the library embeds no device code."""
     tool = cuobjdump or find_cuobjdump()
     if tool is None:
         raise FileNotFoundError("cuobjdump not found: install a CUDA toolkit or `pip install nvidia-cuda-cuobjdump`")
     images = device_images(Path(lib).read_bytes())
     if not images:
         raise ValueError(f"{lib}: no CUDA device code found")
-    out: list[KernelResources] = []
     with tempfile.TemporaryDirectory() as tmp:
+        cubins = []
         for i, image in enumerate(images):
-            cubin = Path(tmp) / f"image{i}.cubin"
-            cubin.write_bytes(image)
+            cubins.append(Path(tmp) / f"image{i}.cubin")
+            cubins[-1].write_bytes(image)
+        yield tool, cubins
+
+
+_RESOURCE_LINE = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
+
+
+def kernel_resources(lib: str | os.PathLike, cuobjdump: str | None = None) -> list[KernelResources]:
+    """Every kernel of the exported library ``lib``. Raises FileNotFoundError without ``cuobjdump``
+    and ValueError when the library embeds no device code."""
+    out: list[KernelResources] = []
+    with _cubin_files(lib, cuobjdump) as (tool, cubins):
+        for cubin in cubins:
             text = subprocess.run([tool, "-res-usage", str(cubin)], check=True, capture_output=True, text=True).stdout
             lines = text.splitlines()
             for head, body in itertools.pairwise(lines):
@@ -121,18 +133,10 @@ def kernel_sass(lib: str | os.PathLike, cuobjdump: str | None = None) -> dict[st
     """Every kernel of the exported library ``lib`` as its SASS instructions (no addresses, no encodings),
     keyed by ``short_name`` in launch order. ``cuobjdump -sass`` needs ``nvdisasm`` next to it or on
     ``PATH`` (a CUDA toolkit or the ``nvidia-cuda-nvdisasm`` wheel); FileNotFoundError without."""
-    tool = cuobjdump or find_cuobjdump()
-    if tool is None:
-        raise FileNotFoundError("cuobjdump not found: install a CUDA toolkit or `pip install nvidia-cuda-cuobjdump`")
-    images = device_images(Path(lib).read_bytes())
-    if not images:
-        raise ValueError(f"{lib}: no CUDA device code found")
-    env = dict(os.environ, PATH=os.pathsep.join([str(Path(tool).parent), os.environ.get("PATH", "")]))
     kernels: dict[str, list[str]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, image in enumerate(images):
-            cubin = Path(tmp) / f"image{i}.cubin"
-            cubin.write_bytes(image)
+    with _cubin_files(lib, cuobjdump) as (tool, cubins):
+        env = dict(os.environ, PATH=os.pathsep.join([str(Path(tool).parent), os.environ.get("PATH", "")]))
+        for cubin in cubins:
             run = subprocess.run([tool, "-sass", str(cubin)], check=True, capture_output=True, text=True, env=env)
             text = run.stdout
             current: list[str] | None = None
