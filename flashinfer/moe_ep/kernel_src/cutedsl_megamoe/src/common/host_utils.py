@@ -25,7 +25,7 @@ def max_rows(max_tokens: int, top_k: int, num_experts: int, tile_m: int, cluster
     return round_up(pairs + min(num_experts, pairs) * (tile_m - 1), tile_m * cluster_m)
 
 
-def swap_tile_plan(rows: int, gated: bool, tok_tile: int, max_wg: int = 2) -> tuple[int, int]:
+def swap_tile_plan(rows: int, gated: bool, tok_tile: int, max_wg: int = 2, max_atoms: int = 4) -> tuple[int, int]:
     """(WGMMA atoms of 64 weight rows per warpgroup, warpgroups per CTA) of the swap-AB GEMM
     (``moe_quant_glu.swap_gemm``) over a weight matrix of ``rows`` rows with ``tok_tile`` tokens.
 
@@ -33,10 +33,14 @@ def swap_tile_plan(rows: int, gated: bool, tok_tile: int, max_wg: int = 2) -> tu
     A fragments of ``16 * atoms`` words, so 4 atoms up to 32 tokens, 2 atoms from 64. Weight rows:
     a gated FC1 (gate/up interleaved per 256 rows) takes whole 256-row blocks per CTA (4 atoms: one
     block per warpgroup; 2 atoms: one block per CTA of two warpgroups, each taking half its features);
-    other matrices 4 atoms when 256 divides ``rows``, else 2. Two warpgroups when they divide and
-    ``max_wg`` allows (one: twice the CTA tiles, for few tokens where tiles are scarce)."""
+    other matrices 4 atoms when 256 divides ``rows``, else 2. ``max_atoms = 2`` takes 2 atoms at any
+    token tile (half the weight rows per warpgroup: twice the CTA tiles or warpgroups over the same
+    rows). Two warpgroups when they divide and ``max_wg`` allows (one: twice the CTA tiles, for few
+    tokens where tiles are scarce)."""
     if max_wg not in (1, 2):
         raise ValueError(f"the swap-AB kernel takes 1 or 2 consumer warpgroups per CTA, got {max_wg}")
+    if max_atoms not in (2, 4):
+        raise ValueError(f"the swap-AB kernel takes 2 or 4 WGMMA atoms per warpgroup at most, got {max_atoms}")
     if tok_tile not in (16, 32, 64, 128):
         raise ValueError(f"the swap-AB token tile must be 16, 32, 64 or 128, got {tok_tile}")
     wide = tok_tile > 32  # 2 atoms at most
@@ -45,11 +49,13 @@ def swap_tile_plan(rows: int, gated: bool, tok_tile: int, max_wg: int = 2) -> tu
             raise ValueError(f"the swap-AB kernel needs gated FC1 rows (2 * I = {rows}) to be a multiple of 256")
         if wide and max_wg == 1:
             raise ValueError(f"a gated FC1 with {tok_tile}-token tiles needs two consumer warpgroups (swap_wg=2)")
-        atoms = 2 if wide else 4
+        if max_atoms == 2 and max_wg == 1:
+            raise ValueError("a gated FC1 with 2 atoms per warpgroup needs two consumer warpgroups (swap_wg=2)")
+        atoms = 2 if wide or max_atoms == 2 else 4
     else:
         if rows % 128:
             raise ValueError(f"the swap-AB kernel needs {rows} rows to be a multiple of 128")
-        atoms = 4 if rows % 256 == 0 and not wide else 2
+        atoms = 4 if rows % 256 == 0 and not wide and max_atoms == 4 else 2
     wg_rows = 64 * atoms
     return atoms, 2 if max_wg == 2 and rows % (2 * wg_rows) == 0 else 1
 

@@ -32,7 +32,7 @@ from .kernel import quant_gemms
 
 class Sm90MegaMoEQuantEpKernel(EpProtocol):
     """Compile-time knobs: those of ``Sm90MegaMoEQuantKernel`` (fmt, activation, limit, tile_m,
-    fc1/fc2_tile_n, num_sms, fc1/fc2_stages, use_pdl (GEMMs only), swap_ab, swap_wg, prequantized)
+    fc1/fc2_tile_n, num_sms, fc1/fc2_stages, use_pdl (GEMMs only), swap_ab, swap_wg, swap_atoms, prequantized)
     and of ``EpProtocol`` (world_size, ranks_per_gpu, dispatch, combine_dtype). Every grid has ``num_sms //
     ranks_per_gpu`` CTAs, the GEMMs' included."""
 
@@ -55,6 +55,7 @@ class Sm90MegaMoEQuantEpKernel(EpProtocol):
         ranks_per_gpu: int = 1,
         dispatch: str = "pull",
         combine_dtype: str = "bf16",
+        swap_atoms: int = 4,
     ) -> None:
         super().__init__(activation, tile_m, num_sms, world_size, ranks_per_gpu, 1, dispatch, use_pdl, combine_dtype)
         if fmt not in constants.QUANT_FORMATS:
@@ -68,8 +69,9 @@ class Sm90MegaMoEQuantEpKernel(EpProtocol):
         self.swap_ab = swap_ab
         self.prequantized = prequantized
         self.fc1, self.fc2 = quant_gemms(
-            fmt, tile_m, fc1_tile_n, fc2_tile_n, activation, limit, self.grid, fc1_stages, fc2_stages, swap_ab, swap_wg
-        )
+            fmt, tile_m, fc1_tile_n, fc2_tile_n, activation, limit, self.grid, fc1_stages, fc2_stages, swap_ab, swap_wg,
+            swap_atoms=swap_atoms,
+        )  # fmt: skip
 
     @cute.jit
     def __call__(

@@ -41,6 +41,8 @@ class Sm90MegaMoEQuantKernel:
         registers; tokens as N.
     :param swap_wg: consumer warpgroups per CTA of the swap-AB GEMMs at most (1: CTA tiles of 256
         weight rows instead of 512, twice as many tiles for few tokens).
+    :param swap_atoms: WGMMA atoms (64 weight rows) per warpgroup of the swap-AB GEMMs at most (4, or 2:
+        half the rows per warpgroup at every token tile, see ``common.host_utils.swap_tile_plan``).
     :param num_sms, fc1_stages, fc2_stages, use_pdl, aux_vpt: as the BF16 kernel.
     :param prequantized: ``x`` holds the activation codes in the format (uint8: E4M3 [T, H] or E2M1
         pairs [T, H/2]) and ``x_scale`` their block scales (uint8: UE8M0 [T, H/32] or E4M3 [T, H/16]);
@@ -65,6 +67,7 @@ class Sm90MegaMoEQuantKernel:
         swap_ab: bool = False,
         swap_wg: int = 2,
         prequantized: bool = False,
+        swap_atoms: int = 4,
     ) -> None:
         if fmt not in constants.QUANT_FORMATS:
             raise ValueError(f"unknown format {fmt!r}")
@@ -87,7 +90,7 @@ class Sm90MegaMoEQuantKernel:
         self.aux_vpt = aux_vpt
         self.fc1, self.fc2 = quant_gemms(
             fmt, tile_m, fc1_tile_n, fc2_tile_n, activation, limit, num_sms, fc1_stages, fc2_stages, swap_ab, swap_wg,
-            probe, bf_buffers,
+            probe, bf_buffers, swap_atoms,
         )  # fmt: skip
 
     @cute.jit
@@ -170,13 +173,18 @@ def quant_gemms(
     swap_wg: int,
     probe: int = 0,
     bf_buffers: int = 3,
+    swap_atoms: int = 4,
 ) -> tuple:
     """FC1 (the activation and the requantization to the FC2 input format in its epilogue) and FC2 of the
     block-scaled kernels (world size 1 and EP): the swap-AB GEMMs (weights dequantized in registers,
     ``tile_m`` tokens as N) or the shared-memory-dequantization ones (``tile_m``-row M tiles)."""
     if swap_ab:
-        fc1 = SwapDequantGemmSm90(fmt, tile_m, activation, limit, grid, fc1_stages, requant=True, max_wg=swap_wg)
-        fc2 = SwapDequantGemmSm90(fmt, tile_m, "plain", None, grid, fc2_stages, gscale_index=1, max_wg=swap_wg)
+        fc1 = SwapDequantGemmSm90(
+            fmt, tile_m, activation, limit, grid, fc1_stages, requant=True, max_wg=swap_wg, max_atoms=swap_atoms
+        )
+        fc2 = SwapDequantGemmSm90(
+            fmt, tile_m, "plain", None, grid, fc2_stages, gscale_index=1, max_wg=swap_wg, max_atoms=swap_atoms
+        )
         return fc1, fc2
     fc1 = DequantGroupedGemmSm90(fmt, tile_m, fc1_tile_n, activation, limit, grid, fc1_stages, requant=True,
                                  gscale_index=0, probe=probe, bf_buffers=bf_buffers)  # fmt: skip

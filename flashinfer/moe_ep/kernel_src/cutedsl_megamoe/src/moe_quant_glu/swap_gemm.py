@@ -65,6 +65,7 @@ class SwapDequantGemmSm90:
         requant: bool = False,
         gscale_index: int = 0,
         max_wg: int = 2,
+        max_atoms: int = 4,
     ) -> None:
         if fmt not in constants.QUANT_FORMATS:
             raise ValueError(f"unknown format {fmt!r}")
@@ -80,6 +81,7 @@ class SwapDequantGemmSm90:
         self.requant = requant
         self.gscale_index = gscale_index
         self.max_wg = max_wg
+        self.max_atoms = max_atoms
         self.tile_k = constants.TILE_K
         self.data_bytes = constants.QUANT_DATA_BYTES[fmt]
         self.scales_per_tile = constants.QUANT_SCALES_PER_TILE[fmt]
@@ -91,7 +93,7 @@ class SwapDequantGemmSm90:
 
     # ---------------------------------------------------------------- host-side setup (traced)
     def _setup(self, rows: int) -> None:
-        self.atoms, self.num_wg = swap_tile_plan(rows, self.gated, self.tok_tile, self.max_wg)
+        self.atoms, self.num_wg = swap_tile_plan(rows, self.gated, self.tok_tile, self.max_wg, self.max_atoms)
         self.wg_rows = 64 * self.atoms
         self.cta_rows = self.num_wg * self.wg_rows
         self.groups = self.atoms if self.gated else 2 * self.atoms  # 8-feature groups per warp
