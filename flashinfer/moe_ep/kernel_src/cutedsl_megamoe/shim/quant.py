@@ -24,8 +24,10 @@ from .frontend import Geometry, KernelFrontend, check_glu_geometry
 @dataclass(frozen=True)
 class QuantKnobs:
     """Compile-time knobs of the quantized kernel (all output-neutral). ``swap_ab``: the swap-AB GEMMs
-    (weights dequantized in registers, tokens as WGMMA N); ``tile_m`` is then the token tile and
-    ``swap_wg`` the most consumer warpgroups per CTA (1 or 2)."""
+    (weights dequantized in registers, tokens as WGMMA N); ``tile_m`` is then the token tile,
+    ``swap_wg`` the most consumer warpgroups per CTA (1 or 2) and ``swap_atoms`` the most WGMMA atoms
+    (64 weight rows) per warpgroup (4, or 2: half the rows per warpgroup, so twice the warpgroups or
+    CTAs convert the same weights)."""
 
     tile_m: int = 128
     fc1_tile_n: int = 256
@@ -35,6 +37,7 @@ class QuantKnobs:
     num_sms: int = 132
     swap_ab: bool = False
     swap_wg: int = 2
+    swap_atoms: int = 4
 
 
 def default_quant_knobs(geometry: Geometry) -> QuantKnobs:
@@ -91,8 +94,9 @@ class QuantFrontend(KernelFrontend):
             if self.gated and k.fc1_tile_n != 256:
                 raise ValueError(f"swap_ab needs gate/up rows interleaved per 256 (fc1_tile_n=256), got {k.fc1_tile_n}")
             g = self.geometry
-            kh.swap_tile_plan(2 * g.intermediate if self.gated else g.intermediate, self.gated, k.tile_m, k.swap_wg)
-            kh.swap_tile_plan(g.hidden, False, k.tile_m, k.swap_wg)
+            fc1_rows = 2 * g.intermediate if self.gated else g.intermediate
+            kh.swap_tile_plan(fc1_rows, self.gated, k.tile_m, k.swap_wg, k.swap_atoms)
+            kh.swap_tile_plan(g.hidden, False, k.tile_m, k.swap_wg, k.swap_atoms)
         elif k.tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128 for the {self.fmt} kernel, got {k.tile_m}")
         for n in (k.fc1_tile_n, k.fc2_tile_n):
@@ -110,6 +114,7 @@ class QuantFrontend(KernelFrontend):
             "fc2_stages": k.fc2_stages,
             "swap_ab": k.swap_ab,
             "swap_wg": k.swap_wg,
+            "swap_atoms": k.swap_atoms,
             "prequantized": self.prequantized,
         }
 

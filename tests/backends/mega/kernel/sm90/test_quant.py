@@ -149,6 +149,7 @@ def test_buckets_share_the_weight_layout(fmt: str) -> None:
     for b in BUCKETS:
         k = fes[b.name].knobs
         assert k.swap_ab and k.tile_m == b.knobs["tile_m"] and k.swap_wg == b.knobs.get("swap_wg", 2)
+        assert k.swap_atoms == b.knobs.get("swap_atoms", 4)
         assert k.fc1_tile_n == layout.knobs.fc1_tile_n  # one packed layout
     assert len({fe.key.digest() for fe in fes.values()}) == len(fes)
     explicit = bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 128}), 8)
@@ -156,15 +157,18 @@ def test_buckets_share_the_weight_layout(fmt: str) -> None:
 
 
 def test_token_buckets_follow_the_pairs_per_expert() -> None:
-    """T = 1 -> swap1; then by T * top_k / experts: <= 8 swap16, <= 16 swap32, <= 32 swap64, else swap128."""
+    """By T * top_k / experts: <= 1/2 sparse16 (T = 1 there on every contract), <= 8 swap16, <= 16 swap32,
+    <= 32 swap64, else swap128."""
     for k, e in ((8, 128), (8, 256), (4, 16)):
-        assert token_bucket(1, k, e) == "swap1"
+        assert token_bucket(0, k, e) == token_bucket(1, k, e) == "sparse16"
+        t = e // (2 * k)
+        assert token_bucket(t, k, e) == "sparse16" and token_bucket(t + 1, k, e) == "swap16", (k, e, t)
         for bucket, top in (("swap16", 8), ("swap32", 16), ("swap64", 32)):
             t = top * e // k
             assert token_bucket(t, k, e) == bucket and token_bucket(t + 1, k, e) != bucket, (k, e, t)
         assert token_bucket(10**6, k, e) == "swap128"
-    assert [token_bucket(t, 8, 128) for t in (2, 128, 129, 256, 257, 512, 513)] == [
-        "swap16", "swap16", "swap32", "swap32", "swap64", "swap64", "swap128"
+    assert [token_bucket(t, 8, 128) for t in (2, 8, 9, 128, 129, 256, 257, 512, 513)] == [
+        "sparse16", "sparse16", "swap16", "swap16", "swap32", "swap32", "swap64", "swap64", "swap128"
     ]  # fmt: skip
 
 
@@ -181,6 +185,15 @@ def test_swap_tile_plan() -> None:
         assert plan(2048, False, tok, 1) == (2, 1)
         with pytest.raises(ValueError, match="needs two consumer warpgroups"):
             plan(4096, True, tok, 1)
+    # max_atoms=2: 2 atoms at every token tile (128 rows per warpgroup); gated still two warpgroups
+    for tok in (16, 32, 64):
+        assert plan(4096, True, tok, 2, 2) == (2, 2) and plan(1536, True, tok, 2, 2) == (2, 2)
+        assert plan(2048, False, tok, 2, 2) == (2, 2) and plan(2048, False, tok, 1, 2) == (2, 1)
+        assert plan(128, False, tok, 2, 2) == (2, 1)
+        with pytest.raises(ValueError, match="needs two consumer warpgroups"):
+            plan(4096, True, tok, 1, 2)
+    with pytest.raises(ValueError, match="2 or 4 WGMMA atoms"):
+        plan(256, False, 16, 2, 3)
     for rows, gated in ((384, True), (192, False), (2880, False)):
         with pytest.raises(ValueError, match="multiple of"):
             plan(rows, gated, 16)
@@ -198,7 +211,7 @@ def test_swap_bucket_falls_back_where_the_swap_kernel_does_not_fit(fmt: str) -> 
     fes = bucket_frontends(CONFIG[fmt](256, 192, 8, 2), 8)
     assert not any(fe.knobs.swap_ab for fe in fes.values())
     for b in BUCKETS:
-        assert fes[b.name] is fes[BUCKETS[-1].name if b.fallback == "prefill" else "swap1"]
+        assert fes[b.name] is fes[BUCKETS[-1].name if b.fallback == "prefill" else "sparse16"]
         assert fes[b.name].knobs.tile_m == FALLBACKS[b.fallback].get("tile_m", 128)
     with pytest.raises(MoEEpConfigError, match="interleaved per 256"):
         bucket_frontends(CONFIG[fmt](256, 192, 8, 2, knobs={"tile_m": 16, "swap_ab": True}), 8)
@@ -280,12 +293,12 @@ def test_prequantized_input_is_a_kernel_variant(fmt: str) -> None:
 
 # -- expert parallelism (world_size > 1) -------------------------------------------------------------
 def test_ep_buckets_follow_the_global_tokens() -> None:
-    """An EP forward's bucket is the world-size-1 rule at ``world_size * rows`` over the global experts;
-    ``swap1`` (one token) is out of reach at world size > 1, so no kernel is built for it."""
-    assert [b.name for b in ep_buckets(2)] == [b.name for b in BUCKETS if b.name != "swap1"]
-    assert [b.name for b in ep_buckets(1)] == [b.name for b in BUCKETS]
-    for rows, world, bucket in ((0, 2, "swap16"), (1, 2, "swap16"), (64, 2, "swap16"), (65, 2, "swap32"),
-                                (64, 4, "swap32"), (1000, 2, "swap128")):  # fmt: skip
+    """An EP forward's bucket is the world-size-1 rule at ``world_size * rows`` over the global experts
+    (every bucket is reachable: none serves fewer tokens than a world of ranks forwards)."""
+    assert [b.name for b in ep_buckets(2)] == [b.name for b in ep_buckets(1)] == [b.name for b in BUCKETS]
+    cases = ((0, 2, "sparse16"), (1, 2, "sparse16"), (4, 2, "sparse16"), (5, 2, "swap16"), (64, 2, "swap16"),
+             (65, 2, "swap32"), (64, 4, "swap32"), (1000, 2, "swap128"))  # fmt: skip
+    for rows, world, bucket in cases:
         assert ep_token_bucket(rows, world, 8, 128) == bucket, (rows, world)
         assert ep_token_bucket(rows, world, 8, 128) == token_bucket(max(2, world * rows), 8, 128)
 

@@ -50,7 +50,7 @@ ACTIVATIONS = [
     ("relu2", None),
 ]
 FORMATS = ("mxfp8", "nvfp4")
-# SMALL (16 experts, top 4): T = 1 swap1, then by pairs per expert (T / 4): 7 swap16, 60 swap32, 128
+# SMALL (16 experts, top 4): T = 1 sparse16, then by pairs per expert (T / 4): 7 swap16, 60 swap32, 128
 # swap64, 300 and 2000 swap128 (the fallback geometry: 64-row tiles to 128, then 128-row tiles)
 TOKENS = (1, 7, 60, 128, 300, 2000)
 ROUTINGS = ("uniform", "skewed", "empty")

@@ -36,7 +36,7 @@ class Sm90BlockScaledConfig(MegaKernelConfig):
     TUNING.md, ``BUCKETS``: the swap-AB GEMMs with a token tile growing with the tokens per expert,
     16 to 128; where they cannot tile the shape, 64-row M tiles up to 32 tokens per expert and 128-row
     ones above) or a mapping of compile-time knobs for every T (``tile_m`` 64/128, or 16/32/64/128 with
-    ``swap_ab`` and ``swap_wg`` 1/2; ``fc1_tile_n``, ``fc2_tile_n``, ``fc1_stages``, ``fc2_stages``,
+    ``swap_ab``, ``swap_wg`` 1/2 and ``swap_atoms`` 2/4; ``fc1_tile_n``, ``fc2_tile_n``, ``fc1_stages``, ``fc2_stages``,
     ``num_sms``; at ``world_size > 1`` also ``dispatch``, ``"pull"`` (default) or ``"push"``). Hidden and
     intermediate sizes must be multiples of 64.
 
@@ -203,7 +203,7 @@ class TokenBucket:
     name: str
     knobs: dict[str, Any]
     max_tokens: int | None = None
-    max_pairs_per_expert: int | None = None
+    max_pairs_per_expert: float | None = None
     fallback: str | None = None
 
     def serves(self, t: int, top_k: int, num_experts: int) -> bool:
@@ -214,9 +214,13 @@ class TokenBucket:
 
 #: Token buckets, in order. Measured on the H200 (TUNING.md; qwen3-30b-a3b, qwen3-235b-a22b, deepseek-v3,
 #: MXFP8 and NVFP4):
-#: - ``swap1``: swap-AB with one consumer warpgroup per CTA (256-row tiles: twice the CTAs for the
-#:   8 experts of one token): 17-32 % faster than two at T = 1 on all three contracts in both formats
-#:   (session 6, CUDA graphs).
+#: - ``sparse16``: at most half a pair per expert on average (most experts idle: T = 1, and up to T = 8
+#:   on qwen3 and 16 on deepseek-v3): 16-token tiles with 2 WGMMA atoms (128 weight rows) per
+#:   warpgroup, so the few busy experts' weights are converted by twice the warpgroups (CTAs of 256
+#:   rows over two warpgroups instead of 512). Session 15, CUDA graphs of 8 layers: against ``swap1``
+#:   (one warpgroup of 4 atoms, session 6) at T = 1 equal to 13 % faster on all three contracts in both
+#:   formats; against ``swap16`` at T = 2-8 up to 39 % faster (qwen3-30b-a3b T = 2), two points 1-4 %
+#:   slower (T = 2 on qwen3-235b-a22b and deepseek-v3), even at 16 (deepseek-v3, half a pair).
 #: - ``swap16`` ... ``swap128``: swap-AB (weights dequantized in registers, tokens as WGMMA N) with
 #:   two warpgroups and the token tile that wins at that many pairs per expert. Session 6: 16-token
 #:   tiles beat 32 up to T = 128 on qwen3 (8 pairs per expert). Session 7 run 2 (T = 256 to 16384):
@@ -227,7 +231,9 @@ class TokenBucket:
 #: - ``decode`` / ``prefill``: 64 / 128-row M tiles (shared-memory dequantization), for the shapes the
 #:   swap-AB GEMMs cannot tile (sizes not multiples of 128, or gate/up not interleaved per 256).
 BUCKETS = (
-    TokenBucket("swap1", {"tile_m": 16, "swap_ab": True, "swap_wg": 1}, max_tokens=1, fallback="decode"),
+    TokenBucket(
+        "sparse16", {"tile_m": 16, "swap_ab": True, "swap_atoms": 2}, max_pairs_per_expert=0.5, fallback="decode"
+    ),
     TokenBucket("swap16", {"tile_m": 16, "swap_ab": True}, max_pairs_per_expert=8, fallback="decode"),
     TokenBucket("swap32", {"tile_m": 32, "swap_ab": True}, max_pairs_per_expert=16, fallback="decode"),
     TokenBucket("swap64", {"tile_m": 64, "swap_ab": True}, max_pairs_per_expert=32, fallback="decode"),
@@ -283,8 +289,8 @@ class EpPlacement:
 
 def ep_buckets(world_size: int) -> tuple[TokenBucket, ...]:
     """The buckets an EP forward can reach: the bucket of ``world_size * T`` (the global tokens;
-    ``ep_token_bucket``) is never one that serves fewer than ``world_size`` tokens (``swap1``), unless
-    the capacity is 0."""
+    ``ep_token_bucket``) is never one that serves fewer than ``world_size`` tokens (a bucket of a
+    ``max_tokens`` below it: none today), unless the capacity is 0."""
     return tuple(b for b in BUCKETS if b.max_tokens is None or b.max_tokens >= world_size)
 
 
