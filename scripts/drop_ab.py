@@ -1,18 +1,21 @@
 #!/usr/bin/env python3
-"""A layer on this drop against the same layer on another drop's kernels, in one run (world size 1).
+"""A layer on this drop against the same layer on another drop's kernels or with other knobs, in one run.
 
 For a kernel maintainer's new drop: are its kernels faster, and (for a change meant to be exact) are
 its outputs bit for bit those of the drop before? Two layers are built alike (same contract, backend,
 weights, NVFP4 calibration, knobs); the second one loads, for every kernel it needs, the library of
 ``--other`` (a kernel cache built from another drop checkout) whose key equals this drop's key in all
-but the drop version and source digest. Then, per T: both outputs on the same inputs (``bitwise`` or
-the largest difference), and the median ms of each, timed interleaved in rounds over rotating inputs
-so that clock drift reaches both alike. Random weights and inputs, never zeros. GPU machine:
+but the drop version and source digest. ``--other-knobs`` instead (or as well) gives the second layer
+other knobs (a knob A/B on one drop: every knob is output-neutral, so the outputs must stay bitwise
+equal). Then, per T: both outputs on the same inputs (``bitwise`` or the largest difference), and the
+median ms of each, timed interleaved in rounds over rotating inputs so that clock drift reaches both
+alike. World size 1; random weights and inputs, never zeros. GPU machine:
 
     here:  git worktree add /tmp/old <rev> && (cd /tmp/old && CUTE_DSL_ARCH=sm_90a python -m flashinfer.moe_ep
            build --backend ... --contract ... --cache /work/main/.kcache-old)   (and this drop's cache)
     there: source .gpu/env.sh && FLASHINFER_MOE_EP_KERNEL_CACHE=.kcache python scripts/drop_ab.py \\
            --other .kcache-old --contract qwen3-30b-a3b --backend sm90_nvfp4_nvfp4_bf16_cutedsl --tokens 4096
+    or:    ... python scripts/drop_ab.py --other-knobs '{"tile_m": 16, "swap_ab": true, "swap_atoms": 2}' ...
 """
 
 from __future__ import annotations
@@ -65,7 +68,8 @@ class OtherDropLoader:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--other", type=Path, required=True, help="kernel cache built from the other drop")
+    p.add_argument("--other", type=Path, default=None, help="kernel cache built from the other drop")
+    p.add_argument("--other-knobs", default=None, help="JSON knobs of the second layer (default: --knobs)")
     p.add_argument("--contract", nargs="+", required=True)
     p.add_argument("--backend", required=True)
     p.add_argument("--tokens", type=int, nargs="+", required=True)
@@ -76,9 +80,17 @@ def main() -> int:
     args = p.parse_args()
     dev = torch.device("cuda")
     entry, _ = choose_backend(args.backend, dev)
+    if args.other is None and args.other_knobs is None:
+        p.error("give --other (another drop's kernel cache), --other-knobs, or both")
     knobs = json.loads(args.knobs) if args.knobs else None
-    other = kernel_cache.index_by_variant(args.other)
-    print(f"--other {args.other}: {len(other)} libraries")
+    other_knobs = json.loads(args.other_knobs) if args.other_knobs else knobs
+    other = kernel_cache.index_by_variant(args.other) if args.other else None
+    if other is not None:
+        print(f"--other {args.other}: {len(other)} libraries")
+    what = " and ".join(
+        ([f"drop of {args.other}"] if other is not None else [])
+        + ([f"knobs {other_knobs}"] if args.other_knobs else [])
+    )
     rows = []
     for name in args.contract:
         c = get_contract(name)
@@ -86,11 +98,14 @@ def main() -> int:
         # the same calibration batch for both layers: one generator each, seeded alike
         cap = max(args.tokens)
         ours, _, _ = make_bench_layer(c, entry, w13, w2, knobs, cap, torch.Generator().manual_seed(7))
-        with OtherDropLoader(other) as loader:
-            theirs, _, _ = make_bench_layer(c, entry, w13, w2, knobs, cap, torch.Generator().manual_seed(7))
-        if not loader.loaded:
-            raise SystemExit("the other layer loaded no kernel while it was built: nothing to compare")
-        print(f"{name}: the other drop's layer runs {len(set(loader.loaded))} of its libraries")
+        if other is None:
+            theirs, _, _ = make_bench_layer(c, entry, w13, w2, other_knobs, cap, torch.Generator().manual_seed(7))
+        else:
+            with OtherDropLoader(other) as loader:
+                theirs, _, _ = make_bench_layer(c, entry, w13, w2, other_knobs, cap, torch.Generator().manual_seed(7))
+            if not loader.loaded:
+                raise SystemExit("the other layer loaded no kernel while it was built: nothing to compare")
+            print(f"{name}: the other drop's layer runs {len(set(loader.loaded))} of its libraries")
         gen = torch.Generator().manual_seed(11)
         for t in args.tokens:
             feed = []
@@ -119,13 +134,13 @@ def main() -> int:
             ms = {lab: statistics.median(v) for lab, v in times.items()}
             rows.append((name, t, ms["ours"], ms["theirs"], ms["theirs"] / ms["ours"], same, diff))
             verdict = "bitwise equal" if same else f"differ (max {diff:.3g})"
-            print(f"  {name} T={t}: ours {ms['ours']:.4f} ms, other drop {ms['theirs']:.4f} ms, "
+            print(f"  {name} T={t}: ours {ms['ours']:.4f} ms, other {ms['theirs']:.4f} ms, "
                   f"x{ms['theirs'] / ms['ours']:.3f}, outputs {verdict}", flush=True)  # fmt: skip
         ours.destroy()
         theirs.destroy()
         del w13, w2
         torch.cuda.empty_cache()
-    print(f"\n{args.backend}: this drop against --other, median ms ({args.rounds} x {args.iters} interleaved launches)")
+    print(f"\n{args.backend}: ours against the {what}, median ms ({args.rounds} x {args.iters} interleaved launches)")
     print(f"{'contract':16s} {'T':>6s} {'ours':>9s} {'other':>9s} {'x other':>8s}  outputs")
     for name, t, a, b, r, same, diff in rows:
         print(f"{name:16s} {t:6d} {a:9.4f} {b:9.4f} {r:8.3f}  {'bitwise' if same else f'max diff {diff:.3g}'}")
