@@ -219,8 +219,8 @@ class TokenBucket:
 #:   warpgroup, so the few busy experts' weights are converted by twice the warpgroups (CTAs of 256
 #:   rows over two warpgroups instead of 512). Session 15, CUDA graphs of 8 layers: against ``swap1``
 #:   (one warpgroup of 4 atoms, session 6) at T = 1 equal to 13 % faster on all three contracts in both
-#:   formats; against ``swap16`` at T = 2-8 up to 39 % faster (qwen3-30b-a3b T = 2), two points 1-4 %
-#:   slower (T = 2 on qwen3-235b-a22b and deepseek-v3), even at 16 (deepseek-v3, half a pair).
+#:   formats; against ``swap16`` at T = 2-8 up to 38 % faster (qwen3-30b-a3b T = 2), 1-5 % slower at
+#:   T = 2 on qwen3-235b-a22b and deepseek-v3, even at 16 on deepseek-v3 (half a pair per expert).
 #: - ``swap16`` ... ``swap128``: swap-AB (weights dequantized in registers, tokens as WGMMA N) with
 #:   two warpgroups and the token tile that wins at that many pairs per expert. Session 6: 16-token
 #:   tiles beat 32 up to T = 128 on qwen3 (8 pairs per expert). Session 7 run 2 (T = 256 to 16384):
