@@ -92,10 +92,11 @@ class World:
         """One forward per token bucket with every rank in that bucket. Loopback only: a kernel
         library's first call loads its CUDA module, which waits for the kernels already on the GPU; when
         one rank's chain is spinning for a peer whose first call of another bucket's library is loading,
-        that wait would expire. With every library called once in lockstep, ranks may mix buckets."""
+        that wait would expire. With every library called once in lockstep, ranks may mix buckets. Rows
+        down to 0: at world size 4 the bucket of the fewest tokens (``sparse16``) serves 0 rows only."""
         c = self.cfg
         first_rows: dict[str, int] = {}
-        for t in range(QUANT_EP_MAX_TOKENS, 0, -1):
+        for t in range(QUANT_EP_MAX_TOKENS, -1, -1):
             first_rows[ep_token_bucket(t, self.world, c.top_k, c.num_experts)] = t
         for t in first_rows.values():
             inputs = self.inputs([t] * self.world, "uniform", seed=t)
