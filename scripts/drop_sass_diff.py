@@ -8,8 +8,10 @@ kernels of each pair are matched by name and launch order and their SASS compare
 with ``nvdisasm``: a CUDA toolkit, or the ``nvidia-cuda-nvdisasm`` and ``nvidia-cuda-cuobjdump``
 wheels). Identical SASS means the kernels compute alike, results and timing, so a refactor of kernel
 code is shown exact without a device run; a kernel that differs needs ``scripts/drop_ab.py`` on a GPU.
-The host side of a library (grids, kernel arguments, TMA descriptors) is not compared. Exit 0 when
-every paired kernel is identical, 1 otherwise (or when nothing pairs).
+The host side of a library (grids, kernel arguments, TMA descriptors) is not compared. A drop that adds
+a knob changes every key of its kernel family: ``--new-knob NAME=VALUE`` (JSON value) pairs this drop's
+variants at that value with the other drop's, which lack the knob. Exit 0 when every paired kernel is
+identical, 1 otherwise (or when nothing pairs).
 
     git worktree add /tmp/old <rev> && (cd /tmp/old && CUTE_DSL_ARCH=sm_90a python -m flashinfer.moe_ep
         build --backend ... --contract tiny --cache /work/main/.kcache-old)     (and the same here)
@@ -28,6 +30,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flashinfer.moe_ep.kernel_src.cutedsl_megamoe.shim import kernel_cache, kernel_resources
 
 
+def _without(index: dict[str, tuple[Path, str]], new_knobs: dict[str, object]) -> dict[str, tuple[Path, str]]:
+    """``index`` keyed as the other drop keys it: the new knobs dropped where they hold the given value."""
+    out = {}
+    for ident, entry in index.items():
+        key = json.loads(ident)
+        if all(key["knobs"].get(k, v) == v for k, v in new_knobs.items()):
+            key["knobs"] = {k: v for k, v in key["knobs"].items() if k not in new_knobs}
+        out[json.dumps(key, sort_keys=True)] = entry
+    return out
+
+
 def _label(identity: str) -> str:
     key = json.loads(identity)
     knobs = ",".join(f"{k}={v}" for k, v in key["knobs"].items())
@@ -41,8 +54,14 @@ def main() -> int:
     p.add_argument("--cache", type=Path, default=None, help=default)
     p.add_argument("--other", type=Path, required=True, help="kernel cache built from the other drop")
     p.add_argument("--verbose", action="store_true", help="one line per kernel, identical ones too")
+    p.add_argument("--new-knob", action="append", default=[], metavar="NAME=VALUE",
+                   help="a knob this drop added, at the value that reproduces the other drop (JSON value)")  # fmt: skip
     args = p.parse_args()
-    ours = kernel_cache.index_by_variant(args.cache or kernel_cache.cache_root())
+    new_knobs = {}
+    for item in args.new_knob:
+        name, _, value = item.partition("=")
+        new_knobs[name] = json.loads(value)
+    ours = _without(kernel_cache.index_by_variant(args.cache or kernel_cache.cache_root()), new_knobs)
     theirs = kernel_cache.index_by_variant(args.other)
     paired = [ident for ident in ours if ident in theirs]
     print(f"{len(ours)} libraries here, {len(theirs)} in --other, {len(paired)} variants in both")
