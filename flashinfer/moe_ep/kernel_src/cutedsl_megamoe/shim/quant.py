@@ -87,6 +87,8 @@ class QuantFrontend(KernelFrontend):
             self.geometry, k.fc1_tile_n, k.fc2_tile_n, self.local_experts, self.fmt, ("bf16", self.fmt),
             self.combine_wires,
         )  # fmt: skip
+        if k.swap_wg not in (1, 2) or k.swap_atoms not in (2, 4):
+            raise ValueError(f"swap_wg must be 1 or 2 and swap_atoms 2 or 4, got {k.swap_wg} and {k.swap_atoms}")
         if k.swap_ab:
             tiles = kh.constants.SWAP_TOKEN_TILES
             if k.tile_m not in tiles:

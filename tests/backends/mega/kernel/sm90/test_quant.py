@@ -219,8 +219,13 @@ def test_swap_bucket_falls_back_where_the_swap_kernel_does_not_fit(fmt: str) -> 
         bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 256, "swap_ab": True}), 8)
     with pytest.raises(MoEEpConfigError, match="needs two consumer warpgroups"):
         bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 64, "swap_ab": True, "swap_wg": 1}), 8)
-    with pytest.raises(MoEEpConfigError, match="1 or 2 consumer warpgroups"):
+    with pytest.raises(MoEEpConfigError, match="swap_wg must be 1 or 2"):
         bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 16, "swap_ab": True, "swap_wg": 3}), 8)
+    with pytest.raises(MoEEpConfigError, match="swap_atoms 2 or 4"):  # checked without swap_ab too
+        bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 64, "swap_atoms": 3}), 8)
+    with pytest.raises(MoEEpConfigError, match="2 atoms per warpgroup needs two consumer warpgroups"):
+        bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 16, "swap_ab": True, "swap_wg": 1,
+                                                            "swap_atoms": 2}), 8)  # fmt: skip
 
 
 def test_format_is_part_of_the_cache_key() -> None:
