@@ -192,3 +192,30 @@ def test_importing_the_drop_is_cpu_safe() -> None:
 @pytest.mark.parametrize("name", sorted(kernel_helpers.SRC_SYMBOLS))
 def test_every_declared_symbol_resolves(name: str) -> None:
     assert getattr(kernel_helpers, name) is not None
+
+
+def test_two_drops_builds_of_one_variant_pair_up(tmp_path: Path) -> None:
+    """``kernel_cache.index_by_variant``: libraries of two drops' caches pair by everything but the drop
+    version and digest (what ``scripts/drop_ab.py`` and ``scripts/drop_sass_diff.py`` compare); another
+    knob value is another variant, and an incomplete entry (no library) is not listed."""
+    kc = drop.kernel_cache
+
+    def key(version: str, tile_m: int) -> object:
+        return kc.KernelKey("moe_bf16_glu", version, "4.8.1", "sm_90a", {"hidden": 256}, {"tile_m": tile_m}, version)
+
+    def fake_build(out: Path, function: str) -> Path:
+        (out / f"lib{function}.so").write_bytes(b"not a real library")
+        return out / f"lib{function}.so"
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    for tile_m in (64, 128):
+        kc.store(key("v1", tile_m), fake_build, old)
+    kc.store(key("v2", 64), fake_build, new)
+    kc.store(key("v2", 256), fake_build, new)
+    (kc.entry_dir(key("v2", 128), new)).mkdir()  # a builder that died before publishing anything
+    ours, theirs = kc.index_by_variant(new), kc.index_by_variant(old)
+    assert len(ours) == 2 and len(theirs) == 2
+    paired = [ident for ident in ours if ident in theirs]
+    assert paired == [kc.variant_identity(key("v2", 64).as_dict())]
+    assert ours[paired[0]][0] == kc.lib_path(key("v2", 64), new)
+    assert theirs[paired[0]] == (kc.lib_path(key("v1", 64), old), key("v1", 64).function_name)
