@@ -37,7 +37,7 @@ def _without(index: dict[str, tuple[Path, str]], new_knobs: dict[str, object]) -
         key = json.loads(ident)
         if all(key["knobs"].get(k, v) == v for k, v in new_knobs.items()):
             key["knobs"] = {k: v for k, v in key["knobs"].items() if k not in new_knobs}
-        out[json.dumps(key, sort_keys=True)] = entry
+        out[kernel_cache.variant_identity(key)] = entry
     return out
 
 

@@ -195,20 +195,16 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
 
 @dataclass(frozen=True)
 class TokenBucket:
-    """One token bucket of the block-scaled backends: the T it serves (``max_tokens``, or
-    ``max_pairs_per_expert`` = T * top_k / experts, the average rows of an expert's GEMMs), the knobs it
-    sets over the defaults, and the bucket whose knobs serve it where the swap-AB GEMMs cannot tile
-    the shape (``fallback``)."""
+    """One token bucket of the block-scaled backends: the T it serves (up to ``max_pairs_per_expert`` =
+    T * top_k / experts, the average rows of an expert's GEMMs), the knobs it sets over the defaults, and
+    the bucket whose knobs serve it where the swap-AB GEMMs cannot tile the shape (``fallback``)."""
 
     name: str
     knobs: dict[str, Any]
-    max_tokens: int | None = None
     max_pairs_per_expert: float | None = None
     fallback: str | None = None
 
     def serves(self, t: int, top_k: int, num_experts: int) -> bool:
-        if self.max_tokens is not None:
-            return t <= self.max_tokens
         return self.max_pairs_per_expert is None or t * top_k <= self.max_pairs_per_expert * num_experts
 
 
@@ -288,10 +284,10 @@ class EpPlacement:
 
 
 def ep_buckets(world_size: int) -> tuple[TokenBucket, ...]:
-    """The buckets an EP forward can reach: the bucket of ``world_size * T`` (the global tokens;
-    ``ep_token_bucket``) is never one that serves fewer than ``world_size`` tokens (a bucket of a
-    ``max_tokens`` below it: none today), unless the capacity is 0."""
-    return tuple(b for b in BUCKETS if b.max_tokens is None or b.max_tokens >= world_size)
+    """The buckets an EP forward of ``world_size`` ranks can reach (``ep_token_bucket``: the bucket of the
+    global ``world_size * T``): every one, as they are bounded by pairs per expert, not by a token count
+    below the world size (session 15 replaced ``swap1``, the one bucket of T = 1)."""
+    return BUCKETS
 
 
 def ep_token_bucket(rows: int, world_size: int, top_k: int, num_experts: int) -> str:
