@@ -37,6 +37,19 @@ QUANT_BLOCK = {FMT_MXFP8: 32, FMT_NVFP4: 16}
 QUANT_DATA_BYTES = {FMT_MXFP8: TILE_K, FMT_NVFP4: TILE_K // 2}
 QUANT_SCALES_PER_TILE = {FMT_MXFP8: TILE_K // 32, FMT_NVFP4: TILE_K // 16}
 QUANT_SEGMENT_BYTES = 16
+# NVFP4 data words: the 32 bits of every 32-bit word (its 8 nibbles: element pair j = byte j of the
+# reordered segment) are stored permuted, so that the kernels reach BF16 pair j (element 2j at bits
+# 15, 8..6, element 2j + 1 at bits 31, 24..22: ``value * 2**-126`` each) from the stored word W in
+# one to four instructions: the OR of the terms (op, amount, mask) of pair j, ``op`` being a left
+# shift, a logical right shift or a left rotation of W (``common.host_utils.e2m1_word_sources``
+# derives the stored layout from this table; ``src.block_quant.e2m1x8_to_bf16x8`` runs it).
+E2M1_BF16_MASK = 0x81C081C0
+E2M1_PAIR_TERMS = (
+    (("shl", 0, E2M1_BF16_MASK),),
+    (("shl", 4, E2M1_BF16_MASK),),
+    (("rotl", 10, E2M1_BF16_MASK),),
+    (("shl", 6, 0x80C080C0), ("shr", 2, 0x01000100)),
+)
 # Token tiles (WGMMA N) of the swap-AB kernel (``moe_quant_glu.swap_gemm``).
 SWAP_TOKEN_TILES = (16, 32, 64, 128)
 # Rows of one gate/up block of a gated w13 as the swap-AB kernel reads it (gate rows, then up rows).

@@ -1,8 +1,11 @@
-"""Host-side helpers: workspace sizing for the BF16 MoE kernel (pure Python, no device code)."""
+"""Host-side helpers (pure Python, no device code): workspace sizing, the swap-AB tile plan, the
+stored bit layout of NVFP4 weight words."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from . import constants
 
 
 @dataclass(frozen=True)
@@ -12,6 +15,43 @@ class BufferSpec:
     name: str
     shape: tuple[int, ...]
     dtype: str
+
+
+def e2m1_term_source(op: str, amount: int, bit: int) -> int | None:
+    """The bit of W that term ``(op, amount)`` of ``constants.E2M1_PAIR_TERMS`` moves to ``bit``
+    (None: shifted in as 0)."""
+    if op == "shl":
+        src = bit - amount
+    elif op == "shr":
+        src = bit + amount
+    elif op == "rotl":
+        return (bit - amount) % 32
+    else:
+        raise ValueError(f"unknown E2M1 term {op!r}")
+    return src if 0 <= src < 32 else None
+
+
+def e2m1_word_sources() -> list[tuple[int, int]]:
+    """Where the packing stores each bit of an NVFP4 data word: entry b = (nibble n, bit i of it) of
+    the logical word (nibble n = element n, the low nibble of byte n // 2 for even n) that stored bit b
+    holds, so that ``constants.E2M1_PAIR_TERMS`` produce each BF16 pair. BF16 bits 6, 7, 8 and 15 of a
+    half take the element's nibble bits 0 (m), 1 (e0), 2 (e1) and 3 (sign)."""
+    role = {6: 0, 7: 1, 8: 2, 15: 3}
+    sources: dict[int, tuple[int, int]] = {}
+    for pair, terms in enumerate(constants.E2M1_PAIR_TERMS):
+        for op, amount, mask in terms:
+            for bit in range(32):
+                if not mask >> bit & 1:
+                    continue
+                if (bit % 16) not in role or not constants.E2M1_BF16_MASK >> bit & 1:
+                    raise ValueError(f"E2M1 term mask {mask:#x} sets bit {bit}, outside the BF16 pattern")
+                src = e2m1_term_source(op, amount, bit)
+                if src is None or src in sources:
+                    raise ValueError(f"E2M1 terms of pair {pair}: stored bit {src} is not free for bit {bit}")
+                sources[src] = (2 * pair + bit // 16, role[bit % 16])
+    if sorted(sources) != list(range(32)) or len(set(sources.values())) != 32:
+        raise ValueError("the E2M1 terms do not place each of the 32 nibble bits exactly once")
+    return [sources[b] for b in range(32)]
 
 
 def round_up(x: int, m: int) -> int:

@@ -32,9 +32,9 @@ from .kernel import quant_gemms
 
 class Sm90MegaMoEQuantEpKernel(EpProtocol):
     """Compile-time knobs: those of ``Sm90MegaMoEQuantKernel`` (fmt, activation, limit, tile_m,
-    fc1/fc2_tile_n, num_sms, fc1/fc2_stages, use_pdl (GEMMs only), swap_ab, swap_wg, swap_atoms, prequantized)
-    and of ``EpProtocol`` (world_size, ranks_per_gpu, dispatch, combine_dtype). Every grid has ``num_sms //
-    ranks_per_gpu`` CTAs, the GEMMs' included."""
+    fc1/fc2_tile_n, num_sms, fc1/fc2_stages, use_pdl (GEMMs only), swap_ab, swap_wg, swap_atoms,
+    swap_stagger, prequantized) and of ``EpProtocol`` (world_size, ranks_per_gpu, dispatch, combine_dtype).
+    Every grid has ``num_sms // ranks_per_gpu`` CTAs, the GEMMs' included."""
 
     def __init__(
         self,
@@ -56,6 +56,7 @@ class Sm90MegaMoEQuantEpKernel(EpProtocol):
         dispatch: str = "pull",
         combine_dtype: str = "bf16",
         swap_atoms: int = 4,
+        swap_stagger: int = 0,
     ) -> None:
         super().__init__(activation, tile_m, num_sms, world_size, ranks_per_gpu, 1, dispatch, use_pdl, combine_dtype)
         if fmt not in constants.QUANT_FORMATS:
@@ -70,7 +71,7 @@ class Sm90MegaMoEQuantEpKernel(EpProtocol):
         self.prequantized = prequantized
         self.fc1, self.fc2 = quant_gemms(
             fmt, tile_m, fc1_tile_n, fc2_tile_n, activation, limit, self.grid, fc1_stages, fc2_stages, swap_ab, swap_wg,
-            swap_atoms=swap_atoms,
+            swap_atoms=swap_atoms, swap_stagger=swap_stagger,
         )  # fmt: skip
 
     @cute.jit

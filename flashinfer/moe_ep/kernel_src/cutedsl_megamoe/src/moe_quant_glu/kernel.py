@@ -43,6 +43,8 @@ class Sm90MegaMoEQuantKernel:
         weight rows instead of 512, twice as many tiles for few tokens).
     :param swap_atoms: WGMMA atoms (64 weight rows) per warpgroup of the swap-AB GEMMs at most (4, or 2:
         half the rows per warpgroup at every token tile, see ``common.host_utils.swap_tile_plan``).
+    :param swap_stagger: K tiles the second consumer warpgroup of a swap-AB CTA starts behind the first
+        (0: in lock step; at most half the ring), so one's epilogue overlaps the other's WGMMAs.
     :param num_sms, fc1_stages, fc2_stages, use_pdl, aux_vpt: as the BF16 kernel.
     :param prequantized: ``x`` holds the activation codes in the format (uint8: E4M3 [T, H] or E2M1
         pairs [T, H/2]) and ``x_scale`` their block scales (uint8: UE8M0 [T, H/32] or E4M3 [T, H/16]);
@@ -68,6 +70,7 @@ class Sm90MegaMoEQuantKernel:
         swap_wg: int = 2,
         prequantized: bool = False,
         swap_atoms: int = 4,
+        swap_stagger: int = 0,
     ) -> None:
         if fmt not in constants.QUANT_FORMATS:
             raise ValueError(f"unknown format {fmt!r}")
@@ -90,7 +93,7 @@ class Sm90MegaMoEQuantKernel:
         self.aux_vpt = aux_vpt
         self.fc1, self.fc2 = quant_gemms(
             fmt, tile_m, fc1_tile_n, fc2_tile_n, activation, limit, num_sms, fc1_stages, fc2_stages, swap_ab, swap_wg,
-            probe, bf_buffers, swap_atoms,
+            probe, bf_buffers, swap_atoms, swap_stagger,
         )  # fmt: skip
 
     @cute.jit
@@ -174,17 +177,15 @@ def quant_gemms(
     probe: int = 0,
     bf_buffers: int = 3,
     swap_atoms: int = 4,
+    swap_stagger: int = 0,
 ) -> tuple:
     """FC1 (the activation and the requantization to the FC2 input format in its epilogue) and FC2 of the
     block-scaled kernels (world size 1 and EP): the swap-AB GEMMs (weights dequantized in registers,
     ``tile_m`` tokens as N) or the shared-memory-dequantization ones (``tile_m``-row M tiles)."""
     if swap_ab:
-        fc1 = SwapDequantGemmSm90(
-            fmt, tile_m, activation, limit, grid, fc1_stages, requant=True, max_wg=swap_wg, max_atoms=swap_atoms
-        )
-        fc2 = SwapDequantGemmSm90(
-            fmt, tile_m, "plain", None, grid, fc2_stages, gscale_index=1, max_wg=swap_wg, max_atoms=swap_atoms
-        )
+        swap = {"max_wg": swap_wg, "max_atoms": swap_atoms, "stagger": swap_stagger}
+        fc1 = SwapDequantGemmSm90(fmt, tile_m, activation, limit, grid, fc1_stages, requant=True, **swap)
+        fc2 = SwapDequantGemmSm90(fmt, tile_m, "plain", None, grid, fc2_stages, gscale_index=1, **swap)
         return fc1, fc2
     fc1 = DequantGroupedGemmSm90(fmt, tile_m, fc1_tile_n, activation, limit, grid, fc1_stages, requant=True,
                                  gscale_index=0, probe=probe, bf_buffers=bf_buffers)  # fmt: skip

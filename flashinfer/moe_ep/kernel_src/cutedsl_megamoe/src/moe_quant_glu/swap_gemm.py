@@ -15,6 +15,11 @@ tokens per expert at decode, where the time is the weight stream; 64 and 128 for
   with A from registers. Two fragments alternate: K tile k is converted while WGMMA k-1 runs;
   ``wait_group(1)`` after WGMMA k frees fragment k-1 and its ring stage. No barrier between the
   warpgroups, no shared-memory round trip.
+- staggered consumers (``stagger`` > 0, two warpgroups): both warpgroups read every ring stage (the
+  same tokens, their own weight rows), so in lock step they would run their epilogues together with
+  the tensor cores idle. The second one starts ``stagger`` K tiles behind the first (one named
+  barrier, once per CTA); the ring keeps that lag from tile to tile, so while one warpgroup runs its
+  epilogue the other issues WGMMAs alone, up to its lag (or, leading, the ring's remaining stages).
 
 Which weight rows a thread holds is free (``ldmatrix`` takes a row address per lane), so the
 tiling uses the packed layout of the prefill kernel unchanged and picks rows for the epilogue:
@@ -49,6 +54,7 @@ from ..src import block_quant as bq
 from .dequant_gemm import box_inner, packed_view, ring_state
 
 EPI_PLAIN = "plain"
+STAGGER_BARRIER = 3  # named barrier of the consumer stagger (1 + wg: the requantization amax exchange)
 
 
 class SwapDequantGemmSm90:
@@ -66,6 +72,7 @@ class SwapDequantGemmSm90:
         gscale_index: int = 0,
         max_wg: int = 2,
         max_atoms: int = 4,
+        stagger: int = 0,
     ) -> None:
         if fmt not in constants.QUANT_FORMATS:
             raise ValueError(f"unknown format {fmt!r}")
@@ -82,6 +89,9 @@ class SwapDequantGemmSm90:
         self.gscale_index = gscale_index
         self.max_wg = max_wg
         self.max_atoms = max_atoms
+        if stagger < 0:
+            raise ValueError(f"stagger must be >= 0 K tiles, got {stagger}")
+        self.stagger_request = stagger
         self.tile_k = constants.TILE_K
         self.data_bytes = constants.QUANT_DATA_BYTES[fmt]
         self.scales_per_tile = constants.QUANT_SCALES_PER_TILE[fmt]
@@ -126,6 +136,8 @@ class SwapDequantGemmSm90:
         else:
             free = self.smem_capacity - 4096 - self.amax_bytes
             self.ab_stages = min(8, free // (data_bytes + scale_bytes + b_bytes))
+        # The lag leaves the leading warpgroup half the ring at least (its loads in flight).
+        self.stagger = min(self.stagger_request, self.ab_stages // 2) if self.num_wg == 2 else 0
         self.data_inner = box_inner(self.cta_rows, self.data_bytes)
         self.scale_inner = box_inner(self.cta_rows, self.scales_per_tile)
         self.data_smem_layout = cute.make_layout((self.data_inner, data_bytes // self.data_inner, self.ab_stages))
@@ -309,6 +321,11 @@ class SwapDequantGemmSm90:
             offsets = self._lane_offsets(wg, warp, lane)
             consumed = cutlass.Int32(0)  # K tiles taken from the ring so far
             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+            lag = min(self.stagger, k_tiles)
+            if cutlass.const_expr(lag > 0):
+                if wg == 1:
+                    if bidx < num_tiles:  # start `lag` K tiles behind the first warpgroup
+                        cute.arch.barrier(barrier_id=STAGGER_BARRIER, number_of_threads=2 * self.threads_per_wg)
             tile = bidx
             while tile < num_tiles:
                 m_blk = tile // n_tiles
@@ -324,11 +341,13 @@ class SwapDequantGemmSm90:
                         )
                         if n > 0:  # WGMMA n-1 is done: free its stage (the previous tile's last, at k = 0)
                             ab_pipe.consumer_release(self._ring_state(n - 1))
+                        self._stagger_release(lag, n, wg)
                 if cutlass.const_expr(k_tiles % 2 == 1):
                     n = consumed + k_tiles - 1
                     self._k_step(ab_pipe, n, tiled_mma, acc, frags[0], words[0], tCrB, data_base, scale_base, offsets)
                     if n > 0:
                         ab_pipe.consumer_release(self._ring_state(n - 1))
+                    self._stagger_release(lag, n, wg)
                 warpgroup.wait_group(0)  # the tile's last stage is freed by the next tile's first step
                 consumed += k_tiles
                 self._epilogue(acc, mC, m_blk, n_blk, wg, warp, lane, expert, w_gscale, act_gscale, sAmax)
@@ -338,6 +357,14 @@ class SwapDequantGemmSm90:
 
     def _ring_state(self, n):
         return ring_state(self.ab_stages, n)
+
+    @cute.jit
+    def _stagger_release(self, lag: cutlass.Constexpr, n: cutlass.Int32, wg: cutlass.Int32) -> None:
+        """The first warpgroup, after its ``lag``-th K tile: let the second one start."""
+        if cutlass.const_expr(lag > 0):
+            if wg == 0:
+                if n == lag - 1:
+                    cute.arch.barrier_arrive(barrier_id=STAGGER_BARRIER, number_of_threads=2 * self.threads_per_wg)
 
     def _k_step(self, ab_pipe, n, tiled_mma, acc, frag, frag_words, tCrB, data_base, scale_base, offsets):
         """K tile number ``n`` of the ring: convert into ``frag`` (its previous reader, WGMMA n-2, is

@@ -8,9 +8,12 @@ are one contiguous run (one TMA box each):
   are reordered so that 32-bit word ``q`` holds what lane ``q`` of a quad needs for a WGMMA A
   fragment (``SEGMENT_ORDER``): MXFP8 (a segment is one K16 block) the element pairs ``2q, 2q+1`` and
   ``2q+8, 2q+9``; NVFP4 (a segment is two K16 blocks) the bytes ``q, q+4, q+8, q+12``, i.e. element
-  pairs ``2q + 8j`` for j = 0..3. Segment ``s`` of row ``r`` is stored in slot ``s ^ swizzle(r)``
-  (``segment_swizzle``): 8 consecutive rows then occupy 8 different 16-byte bank groups, so an
-  8-row ``ldmatrix`` and the 16-byte loads of the shared-memory dequantization are conflict-free.
+  pairs ``2q + 8j`` for j = 0..3, and the 32 bits of that word are then stored permuted
+  (``common.host_utils.e2m1_word_sources``, from ``constants.E2M1_PAIR_TERMS``) so the kernels turn
+  each byte's pair into BF16 with one to four instructions. Segment ``s`` of row ``r`` is stored in
+  slot ``s ^ swizzle(r)`` (``segment_swizzle``): 8 consecutive rows then occupy 8 different 16-byte
+  bank groups, so an 8-row ``ldmatrix`` and the 16-byte loads of the shared-memory dequantization are
+  conflict-free.
 - scales ``[E, K/64, N, S]``: the row's raw block-scale bytes of the K tile (S = 2 UE8M0, or 4 E4M3).
 
 That is 1 + 1/32 bytes per MXFP8 weight and 1/2 + 1/16 per NVFP4 weight: what the checkpoint stores.
@@ -21,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..common import constants
+from ..common.host_utils import e2m1_word_sources
 from ..moe_bf16_glu.weights import interleave_gate_up
 
 #: byte order inside a 16-byte data segment: stored byte ``i`` is source byte ``SEGMENT_ORDER[fmt][i]``
@@ -40,6 +44,34 @@ def segment_swizzle(row: int | torch.Tensor, fmt: str) -> int | torch.Tensor:
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype != torch.uint8 else t
+
+
+def _permute_word_bits(words: torch.Tensor, sources: list[int]) -> torch.Tensor:
+    """``words`` (int64 holding 32-bit values): bit b of the result is bit ``sources[b]`` of the input
+    (one masked shift per distinct distance)."""
+    masks: dict[int, int] = {}
+    for b, s in enumerate(sources):
+        masks[b - s] = masks.get(b - s, 0) | (1 << s)
+    out = torch.zeros_like(words)
+    for d, mask in masks.items():
+        part = words & mask
+        out |= part << d if d >= 0 else part >> -d
+    return out
+
+
+def _e2m1_words(tiles: torch.Tensor, store: bool) -> torch.Tensor:
+    """NVFP4 segments ``[..., 16]`` uint8 (bytes in ``SEGMENT_ORDER``) with the bits of each 32-bit
+    word permuted into the stored layout (``store``) or back to the logical one (nibble n at bits
+    4n..4n+3), one expert at a time (the int64 words take 8 bytes per 4)."""
+    logical = [4 * n + i for n, i in e2m1_word_sources()]  # stored bit b <- logical bit logical[b]
+    sources = logical if store else sorted(range(32), key=logical.__getitem__)
+    lanes = torch.tensor([0, 8, 16, 24], device=tiles.device)
+    out = torch.empty_like(tiles)
+    for e in range(tiles.shape[0]):
+        words = (tiles[e].reshape(-1, 4).long() << lanes).sum(-1)
+        words = _permute_word_bits(words, sources)
+        out[e] = ((words[:, None] >> lanes) & 0xFF).to(torch.uint8).reshape(tiles[e].shape)
+    return out
 
 
 def _check_scales(scale: torch.Tensor, fmt: str) -> None:
@@ -73,6 +105,8 @@ def pack_quantized_matrix(data: torch.Tensor, scale: torch.Tensor, fmt: str) -> 
     nseg = d // seg
     order = torch.tensor(SEGMENT_ORDER[fmt], device=data_b.device)
     tiles = data_b.reshape(e, n, kt, nseg, seg)[..., order]  # bytes reordered inside each segment
+    if fmt == constants.FMT_NVFP4:
+        tiles = _e2m1_words(tiles, store=True)
     rows = torch.arange(n, device=data_b.device)
     slot = torch.arange(nseg, device=data_b.device)[None, :] ^ segment_swizzle(rows, fmt)[:, None]  # [N, nseg]
     out = torch.empty_like(tiles)
@@ -91,6 +125,8 @@ def unpack_quantized_matrix(packed: torch.Tensor, scales: torch.Tensor, fmt: str
     rows = torch.arange(n, device=packed.device)
     slot = torch.arange(nseg, device=packed.device)[None, :] ^ segment_swizzle(rows, fmt)[:, None]
     segs = tiles.gather(3, slot[None, :, None, :, None].expand_as(tiles))
+    if fmt == constants.FMT_NVFP4:
+        segs = _e2m1_words(segs, store=False)
     inverse = torch.argsort(torch.tensor(SEGMENT_ORDER[fmt], device=packed.device))
     data = segs[..., inverse].reshape(e, n, kt * d)
     return data.contiguous(), scales.transpose(1, 2).reshape(e, n, -1).contiguous()

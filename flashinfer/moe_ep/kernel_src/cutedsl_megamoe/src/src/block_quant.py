@@ -18,6 +18,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
 
+from ..common import constants
+
 
 def _sel(cond, a, b, ty):
     """``a if cond else b`` for traced values (a plain helper is not rewritten by the DSL)."""
@@ -167,36 +169,41 @@ def e4m3x4_to_bf16x4(word: Uint32, mult2: Uint32) -> tuple[Uint32, Uint32]:
 #: what ``e4m3x4_to_bf16x4`` leaves out of the MXFP8 products (the accumulators are ``2**-8`` too small)
 MXFP8_ACC_SCALE = 2.0**8
 
-#: ``prmt`` selectors of ``e2m1x8_to_bf16x8``: (low nibbles byte m, 0, high nibbles byte m, 0) for byte m
-E2M1_PAIR_SELECTORS = tuple(0x8480 + 0x101 * m for m in range(4))
-#: ``nibble * E2M1_SPREAD`` puts a copy at << 6 and one at << 12; the mask keeps e1 e0 m at bits 8..6
-#: (from the first) and s at bit 15 (from the second)
-E2M1_SPREAD = 0x1040
-E2M1_BF16_MASK = 0x81C081C0
+E2M1_BF16_MASK = constants.E2M1_BF16_MASK
+
+
+def _e2m1_term_ptx(op: str, amount: int) -> str:
+    """PTX putting term ``(op, amount)`` of ``constants.E2M1_PAIR_TERMS`` of the word ``{$r0}`` in ``t``."""
+    if op == "shl":
+        return f"shl.b32 t, {{$r0}}, {amount};" if amount else "mov.b32 t, {$r0};"
+    if op == "shr":
+        return f"shr.u32 t, {{$r0}}, {amount};"
+    if op == "rotl":
+        return f"shf.l.wrap.b32 t, {{$r0}}, {{$r0}}, {amount};"
+    raise ValueError(f"unknown E2M1 term {op!r}")
 
 
 def e2m1x8_to_bf16x8(word: Uint32, mult_lo: Uint32, mult_hi: Uint32) -> tuple[Uint32, Uint32, Uint32, Uint32]:
-    """Eight packed E2M1 nibbles (byte m = elements 2m (low nibble) and 2m+1) times block multipliers
-    -> four BF16 pairs, one word per byte, exactly: bytes 0-1 times ``mult_lo``, bytes 2-3 times
-    ``mult_hi`` (``scale * 2**112`` in both halves, as for E4M3). The result is ``value * 2**-14``:
-    the caller multiplies its fp32 accumulator by ``NVFP4_ACC_SCALE``.
+    """One stored NVFP4 data word (eight E2M1 nibbles, bits permuted by the packing; logical byte m =
+    elements 2m (low nibble) and 2m+1) times block multipliers -> four BF16 pairs, one word per byte,
+    exactly: bytes 0-1 times ``mult_lo``, bytes 2-3 times ``mult_hi`` (``scale * 2**112`` in both
+    halves, as for E4M3). The result is ``value * 2**-14``: the caller multiplies its fp32
+    accumulator by ``NVFP4_ACC_SCALE``.
 
     A nibble ``s e1 e0 m`` placed at BF16 bits 15 and 8..6 is the BF16 ``value * 2**-126`` (the two
     exponent bits land in the exponent field, m in the top mantissa bit; e = 0 gives the subnormal
     ``m * 2**-127``, which is ``0.5 * 2**-126``), so one multiply by ``scale * 2**112`` is exact (<= 6
-    significant bits, normal). The low and the high nibbles are split once per word (three
-    instructions); per byte ``prmt`` puts its two nibbles at the bottom of the two halves (the zero
-    bytes are the sign copy of a byte below 0x10), one multiply spreads each nibble to << 6 and << 12
-    (no carries: the copies do not overlap), a mask, then the FMA: 19 instructions for 8 values."""
-    body = "".join(
-        f"prmt.b32 w, a, b, {sel:#x}; mul.lo.u32 w, w, {E2M1_SPREAD:#x}; and.b32 w, w, {E2M1_BF16_MASK:#x};\n"
-        f"fma.rn.bf16x2 {{$w{m}}}, w, {{$r{1 if m < 2 else 2}}}, z0;\n"
-        for m, sel in enumerate(E2M1_PAIR_SELECTORS)
-    )
+    significant bits, normal). The packing stores the word's bits so that pair m is the OR of masked
+    shifts or rotations of the word (``constants.E2M1_PAIR_TERMS``): 9 instructions for the 8
+    placements, then the 4 multiplies."""
+    body = ""
+    for m, terms in enumerate(constants.E2M1_PAIR_TERMS):
+        for i, (op, amount, mask) in enumerate(terms):
+            combine = "mov.b32 w, t;" if i == 0 else "or.b32 w, w, t;"
+            body += f"{_e2m1_term_ptx(op, amount)} and.b32 t, t, {mask:#x}; {combine}\n"
+        body += f"fma.rn.bf16x2 {{$w{m}}}, w, {{$r{1 if m < 2 else 2}}}, z0;\n"
     return cute.arch.inline_ptx(
-        "{ .reg .b32 a, b, w, z0;\n"
-        "mov.b32 z0, 0x80008000;\n"
-        "and.b32 a, {$r0}, 0x0F0F0F0F; shr.u32 b, {$r0}, 4; and.b32 b, b, 0x0F0F0F0F;\n" + body + "}",
+        "{ .reg .b32 t, w, z0;\nmov.b32 z0, 0x80008000;\n" + body + "}",
         write_only_types=[Uint32, Uint32, Uint32, Uint32],
         read_only_args=[word, mult_lo, mult_hi],
     )
@@ -337,8 +344,6 @@ def quad_amax(m: Float32) -> Float32:
 __all__ = [
     "block_amax",
     "E2M1_BF16_MASK",
-    "E2M1_PAIR_SELECTORS",
-    "E2M1_SPREAD",
     "E4M3_BF16_MASK",
     "E4M3_PAIR_SELECTORS",
     "MXFP8_ACC_SCALE",
