@@ -1,6 +1,7 @@
 """The register dequantization of the block-scaled kernels, bit for bit on the CPU: the instruction
 sequences of ``block_quant.e4m3x4_to_bf16x4`` and ``e2m1x8_to_bf16x8`` replayed in Python with the
-module's own selectors and masks, for every input byte, against torch's decoding of the formats."""
+module's own selectors, masks and shift terms, for every input byte, against torch's decoding of the
+formats."""
 
 from __future__ import annotations
 
@@ -60,17 +61,40 @@ def test_e4m3_bit_move_is_value_times_2_pow_minus_120() -> None:
             assert product * bq.MXFP8_ACC_SCALE == e4m3(b) * 2.0 ** (scale_byte - 127)
 
 
-def test_e2m1_spread_is_value_times_2_pow_minus_126() -> None:
-    bq = drop.kernel_helpers.block_quant
+def e2m1_term(word: int, op: str, amount: int) -> int:
+    """One term of ``constants.E2M1_PAIR_TERMS`` as its PTX computes it (shl.b32, shr.u32, shf.l.wrap)."""
+    if op == "shl":
+        return (word << amount) & M32
+    if op == "shr":
+        return word >> amount
+    assert op == "rotl"
+    return ((word << amount) | (word >> (32 - amount))) & M32
+
+
+def test_e2m1_stored_words_give_value_times_2_pow_minus_126() -> None:
+    """Every byte value in every byte of a logical word (nibble n = element n), stored with the
+    packing's bit layout (``e2m1_word_sources``): the terms of pair m OR-ed give element 2m in the low
+    BF16 half and 2m + 1 in the high one, each ``value * 2**-126``; each stored bit is read once."""
+    bq, kh = drop.kernel_helpers.block_quant, drop.kernel_helpers
+    sources = kh.e2m1_word_sources()
+    assert sorted(4 * n + i for n, i in sources) == list(range(32))
     for base in range(0, 256, 4):
-        chunk = [base, base + 1, base + 2, base + 3]
-        word = sum(b << (8 * k) for k, b in enumerate(chunk))
-        lo, hi = word & 0x0F0F0F0F, (word >> 4) & 0x0F0F0F0F
-        for m, sel in enumerate(bq.E2M1_PAIR_SELECTORS):
-            w = ((prmt(lo, hi, sel) * bq.E2M1_SPREAD) & M32) & bq.E2M1_BF16_MASK
-            b = chunk[m]
-            want = [(-1.0 if n & 8 else 1.0) * E2M1[n & 7] * 2.0**-126 for n in (b & 0xF, b >> 4)]
-            assert list(bf16_halves(w)) == want, (b, bf16_halves(w), want)
+        for rot in range(4):
+            chunk = [(base + (k + rot) % 4) % 256 for k in range(4)]
+            logical = sum(b << (8 * k) for k, b in enumerate(chunk))
+            stored = sum(((logical >> (4 * n + i)) & 1) << b for b, (n, i) in enumerate(sources))
+            for m, terms in enumerate(kh.constants.E2M1_PAIR_TERMS):
+                w = 0
+                for op, amount, mask in terms:
+                    w |= e2m1_term(stored, op, amount) & mask
+                assert w & ~bq.E2M1_BF16_MASK == 0
+                b = chunk[m]
+                want = [(-1.0 if n & 8 else 1.0) * E2M1[n & 7] * 2.0**-126 for n in (b & 0xF, b >> 4)]
+                assert list(bf16_halves(w)) == want, (b, bf16_halves(w), want)
+    # the terms read disjoint stored bits that cover the word (no bit is used twice, none is lost)
+    read = [t for terms in kh.constants.E2M1_PAIR_TERMS for op, amount, mask in terms
+            for t in range(32) if e2m1_term(1 << t, op, amount) & mask]  # fmt: skip
+    assert sorted(read) == list(range(32))
 
 
 def _e2m1_threshold_chain(a: np.ndarray) -> np.ndarray:

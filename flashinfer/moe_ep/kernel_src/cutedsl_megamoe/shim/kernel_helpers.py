@@ -56,7 +56,7 @@ QUANT_EP_KERNEL_CALL = (*QUANT_OPERANDS, "out", *EP_STATE_CALL, "stream")
 #: constructor keywords the shim passes to both block-scaled kernels, and those the EP kernels add
 QUANT_KERNEL_INIT = (
     "fmt", "activation", "limit", "tile_m", "fc1_tile_n", "fc2_tile_n", "num_sms", "fc1_stages", "fc2_stages",
-    "swap_ab", "swap_wg", "swap_atoms", "prequantized",
+    "swap_ab", "swap_wg", "swap_atoms", "swap_stagger", "prequantized",
 )  # fmt: skip
 EP_KERNEL_INIT = ("world_size", "ranks_per_gpu", "dispatch", "combine_dtype")
 
@@ -66,6 +66,7 @@ SRC_SYMBOLS: dict[str, SrcSymbol] = {
     "BufferSpec": SrcSymbol("common.host_utils", "BufferSpec", False, ("shim/frontend.py",)),
     "moe_bf16_workspace_spec": SrcSymbol("common.host_utils", "moe_bf16_workspace_spec", False, ("shim/bf16.py",)),
     "swap_tile_plan": SrcSymbol("common.host_utils", "swap_tile_plan", False, ("shim/quant.py",)),
+    "e2m1_word_sources": SrcSymbol("common.host_utils", "e2m1_word_sources", False, ("tests",)),
     "interleave_gate_up": SrcSymbol("moe_bf16_glu.weights", "interleave_gate_up", False, ("shim/bf16.py",)),
     "deinterleave_gate_up": SrcSymbol("moe_bf16_glu.weights", "deinterleave_gate_up", False, ("tests",)),
     "tile_weights": SrcSymbol("moe_bf16_glu.weights", "tile_weights", False, ("shim/bf16.py",)),

@@ -20,6 +20,9 @@ from . import kernel_helpers as kh
 from .bf16 import widest_tile
 from .frontend import Geometry, KernelFrontend, check_glu_geometry
 
+#: the deepest stagger accepted (the swap-AB ring has at most 8 stages; the kernel caps it at half)
+MAX_SWAP_STAGGER = 8
+
 
 @dataclass(frozen=True)
 class QuantKnobs:
@@ -27,7 +30,9 @@ class QuantKnobs:
     (weights dequantized in registers, tokens as WGMMA N); ``tile_m`` is then the token tile,
     ``swap_wg`` the most consumer warpgroups per CTA (1 or 2) and ``swap_atoms`` the most WGMMA atoms
     (64 weight rows) per warpgroup (4, or 2: half the rows per warpgroup, so twice the warpgroups or
-    CTAs convert the same weights)."""
+    CTAs convert the same weights); ``swap_stagger`` the K tiles (0 to 8, the kernel caps it at half
+    its ring) by which the second consumer warpgroup of a CTA trails the first (0: lock step), so the
+    two do not convert, multiply and run their epilogues at the same moments."""
 
     tile_m: int = 128
     fc1_tile_n: int = 256
@@ -38,6 +43,7 @@ class QuantKnobs:
     swap_ab: bool = False
     swap_wg: int = 2
     swap_atoms: int = 4
+    swap_stagger: int = 0
 
 
 def default_quant_knobs(geometry: Geometry) -> QuantKnobs:
@@ -89,6 +95,8 @@ class QuantFrontend(KernelFrontend):
         )  # fmt: skip
         if k.swap_wg not in (1, 2) or k.swap_atoms not in (2, 4):
             raise ValueError(f"swap_wg must be 1 or 2 and swap_atoms 2 or 4, got {k.swap_wg} and {k.swap_atoms}")
+        if not 0 <= k.swap_stagger <= MAX_SWAP_STAGGER:
+            raise ValueError(f"swap_stagger must be 0 to {MAX_SWAP_STAGGER} K tiles, got {k.swap_stagger}")
         if k.swap_ab:
             tiles = kh.constants.SWAP_TOKEN_TILES
             if k.tile_m not in tiles:
@@ -117,6 +125,7 @@ class QuantFrontend(KernelFrontend):
             "swap_ab": k.swap_ab,
             "swap_wg": k.swap_wg,
             "swap_atoms": k.swap_atoms,
+            "swap_stagger": k.swap_stagger,
             "prequantized": self.prequantized,
         }
 

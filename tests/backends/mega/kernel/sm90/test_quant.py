@@ -4,6 +4,7 @@ dequantization bit for bit), config and input validation, cache keys, and AOT bu
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -94,8 +95,19 @@ FRAGMENT_WORD = {
 def test_segment_words_hold_fragment_elements_and_slots_are_swizzled(fmt: str) -> None:
     """The layout contract the kernels rely on, written out independently of the packing code: every
     byte's K position, and the slot of segment s of row r (``s ^ (r // (128 / D)) % (D / 16)``), so
-    that 8 consecutive rows cover 8 different 16-byte bank groups."""
+    that 8 consecutive rows cover 8 different 16-byte bank groups. An NVFP4 word is first read back
+    through its stored bit layout (``e2m1_word_sources``; the conversion that reads that layout is
+    replayed in ``test_block_quant_bits``)."""
     c = kh.constants
+    sources = kh.e2m1_word_sources()
+
+    def logical_bytes(stored: list[int]) -> list[int]:
+        if fmt == "mxfp8":
+            return stored
+        word = sum(b << (8 * k) for k, b in enumerate(stored))
+        logical = sum(((word >> b) & 1) << (4 * n + i) for b, (n, i) in enumerate(sources))
+        return [(logical >> (8 * k)) & 0xFF for k in range(4)]
+
     d, e, n, k = c.QUANT_DATA_BYTES[fmt], 1, 16, 128
     per_byte = 1 if fmt == "mxfp8" else 2
     pos = torch.arange(k // per_byte, dtype=torch.int64)  # byte b holds K position b * per_byte
@@ -109,7 +121,7 @@ def test_segment_words_hold_fragment_elements_and_slots_are_swizzled(fmt: str) -
             for s in range(segs):
                 seg = packed[0, t, row, 16 * (s ^ swz) : 16 * (s ^ swz) + 16]
                 for q in range(4):
-                    got = [int(b) * per_byte for b in seg[4 * q : 4 * q + 4]]
+                    got = [b * per_byte for b in logical_bytes([int(x) for x in seg[4 * q : 4 * q + 4]])]
                     want = [(64 * t + 16 * per_byte * s + x) % (256 * per_byte) for x in FRAGMENT_WORD[fmt](q)]
                     assert got == want, (row, t, s, q)
         if row % 8 == 7:  # rows row-7..row: segment 0 lands in 8 distinct bank groups of 16 bytes
@@ -139,6 +151,10 @@ def test_config_validation() -> None:
             bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 256}), 8)
         with pytest.raises(MoEEpConfigError, match="fc2_tile_n"):
             bucket_frontends(CONFIG[fmt](320, 128, 8, 2, knobs={"fc2_tile_n": 256}), 8)
+        for stagger in (-1, 9):
+            with pytest.raises(MoEEpConfigError, match="swap_stagger must be 0 to 8"):
+                bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 16, "swap_ab": True,
+                                                                    "swap_stagger": stagger}), 8)  # fmt: skip
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -149,7 +165,7 @@ def test_buckets_share_the_weight_layout(fmt: str) -> None:
     for b in BUCKETS:
         k = fes[b.name].knobs
         assert k.swap_ab and k.tile_m == b.knobs["tile_m"] and k.swap_wg == b.knobs.get("swap_wg", 2)
-        assert k.swap_atoms == b.knobs.get("swap_atoms", 4)
+        assert k.swap_atoms == b.knobs.get("swap_atoms", 4) and k.swap_stagger == b.knobs.get("swap_stagger", 0)
         assert k.fc1_tile_n == layout.knobs.fc1_tile_n  # one packed layout
     assert len({fe.key.digest() for fe in fes.values()}) == len(fes)
     explicit = bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 128}), 8)
@@ -272,6 +288,33 @@ def test_build_every_default_variant_for_sm90a(fmt: str, tmp_path: Path, capsys)
         for fe in bucket_frontends(cfg, c.num_experts).values():
             lib = kernel_cache.lookup(fe.key, tmp_path)
             assert lib is not None and b"__tvm_ffi_" in lib.read_bytes(), name
+
+
+@pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")
+@pytest.mark.skipif(kernel_resources.find_cuobjdump() is None, reason="needs cuobjdump (pip install .[test])")
+def test_swap_stagger_reaches_both_gemms_as_one_named_barrier(tmp_path: Path, capsys) -> None:
+    """``swap_stagger`` > 0 on a CTA of two consumer warpgroups (the tiny contract with 2 atoms per
+    warpgroup): each swap-AB GEMM's first warpgroup arrives at named barrier 3 once its lag is taken
+    and the second one waits there; in lock step (0) neither GEMM has that barrier."""
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    bars = {}
+    for stagger in (0, 2):
+        cache = tmp_path / str(stagger)
+        knobs = f'{{"tile_m": 16, "swap_ab": true, "swap_atoms": 2, "swap_stagger": {stagger}}}'
+        args = ["build", "--backend", CONFIG["nvfp4"].kernel_name, "--contract", "tiny", "--knobs", knobs]
+        assert cli_main([*args, "--cache", str(cache)]) == 0
+        (lib,) = cache.glob("*/*.so")
+        sass = kernel_resources.kernel_sass(lib)
+        gemms = [name for name in sass if "SwapDequantGemm" in name]
+        assert len(gemms) == 2, list(sass)
+        # the opcodes (modifiers dropped) that name barrier 3, e.g. "@!P1 BAR.SYNC.DEFER_BLOCKING 0x3, 0x100"
+        bars[stagger] = [
+            sorted({m.group(1) for line in sass[g] if (m := re.search(r"\b(BAR\.[A-Z]+)[.A-Z_]*\s+0x3,", line))})
+            for g in gemms
+        ]
+    capsys.readouterr()
+    assert bars[0] == [[], []]
+    assert bars[2] == [["BAR.ARV", "BAR.SYNC"], ["BAR.ARV", "BAR.SYNC"]]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -36,9 +36,10 @@ class Sm90BlockScaledConfig(MegaKernelConfig):
     TUNING.md, ``BUCKETS``: the swap-AB GEMMs with a token tile growing with the tokens per expert,
     16 to 128; where they cannot tile the shape, 64-row M tiles up to 32 tokens per expert and 128-row
     ones above) or a mapping of compile-time knobs for every T (``tile_m`` 64/128, or 16/32/64/128 with
-    ``swap_ab``, ``swap_wg`` 1/2 and ``swap_atoms`` 2/4; ``fc1_tile_n``, ``fc2_tile_n``, ``fc1_stages``, ``fc2_stages``,
-    ``num_sms``; at ``world_size > 1`` also ``dispatch``, ``"pull"`` (default) or ``"push"``). Hidden and
-    intermediate sizes must be multiples of 64.
+    ``swap_ab``, ``swap_wg`` 1/2, ``swap_atoms`` 2/4 and ``swap_stagger`` 0-8; ``fc1_tile_n``,
+    ``fc2_tile_n``, ``fc1_stages``, ``fc2_stages``, ``num_sms``; at ``world_size > 1`` also
+    ``dispatch``, ``"pull"`` (default) or ``"push"``). Hidden and intermediate sizes must be
+    multiples of 64.
 
     At ``world_size > 1`` the layer runs the in-kernel EP protocol of the BF16 kernel around the
     block-scaled GEMMs (``block_scaled_ep.py``): each rank quantizes its tokens once and the
@@ -223,14 +224,20 @@ class TokenBucket:
 #:   32-token tiles win at 16 pairs per expert, 64-token tiles at 32 (MXFP8 qwen3 T = 512: 1.32 / 1.44x
 #:   BF16 against 1.10 / 1.24 with 32; deepseek-v3 T = 1024: 1.60 against 1.30 with 128 and 1.36 with
 #:   64-row tiles), 128-token tiles from 64 up (every contract, both formats, within 3 % where another
-#:   won) and at every T >= 2048 by 4-45 % over 128-row tiles.
+#:   won) and at every T >= 2048 by 4-45 % over 128-row tiles. ``swap16`` staggers its two consumer
+#:   warpgroups by 4 K tiles (session 16, interleaved A/B, outputs bitwise equal: NVFP4 on drop v25 0-5 %
+#:   faster at T = 16 and 128 on all three contracts; MXFP8 within 1.5 % either way on the drop's first
+#:   candidate); not ``swap32`` / ``swap64`` (NVFP4 on v25 -1 to +3 %), ``swap128`` (1-2 % slower at
+#:   T >= 1024) nor ``sparse16`` (-3 to +2 %).
 #: - ``decode`` / ``prefill``: 64 / 128-row M tiles (shared-memory dequantization), for the shapes the
 #:   swap-AB GEMMs cannot tile (sizes not multiples of 128, or gate/up not interleaved per 256).
 BUCKETS = (
     TokenBucket(
         "sparse16", {"tile_m": 16, "swap_ab": True, "swap_atoms": 2}, max_pairs_per_expert=0.5, fallback="decode"
     ),
-    TokenBucket("swap16", {"tile_m": 16, "swap_ab": True}, max_pairs_per_expert=8, fallback="decode"),
+    TokenBucket(
+        "swap16", {"tile_m": 16, "swap_ab": True, "swap_stagger": 4}, max_pairs_per_expert=8, fallback="decode"
+    ),
     TokenBucket("swap32", {"tile_m": 32, "swap_ab": True}, max_pairs_per_expert=16, fallback="decode"),
     TokenBucket("swap64", {"tile_m": 64, "swap_ab": True}, max_pairs_per_expert=32, fallback="decode"),
     TokenBucket("swap128", {"tile_m": 128, "swap_ab": True}, fallback="prefill"),
