@@ -44,6 +44,11 @@ QUANT_SEGMENT_BYTES = 16
 # shift, a logical right shift or a left rotation of W (``common.host_utils.e2m1_word_sources``
 # derives the stored layout from this table; ``src.block_quant.e2m1x8_to_bf16x8`` runs it).
 E2M1_BF16_MASK = 0x81C081C0
+# NVFP4 weight block scales as the packing stores them: byte b > 0 is the BF16 multiplier
+# ``scale * 2**112`` with bits ``(b << 4) + NVFP4_SCALE_BIAS`` (5 exponent bits counted from 2**102, the
+# 3 mantissa bits of E4M3; every positive E4M3 value, subnormals included, has one), b = 0 a zero
+# scale, whose block's codes the packing zeroes too.
+NVFP4_SCALE_BIAS = 229 << 7
 E2M1_PAIR_TERMS = (
     (("shl", 0, E2M1_BF16_MASK),),
     (("shl", 4, E2M1_BF16_MASK),),

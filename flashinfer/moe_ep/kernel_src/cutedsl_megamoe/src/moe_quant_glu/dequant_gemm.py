@@ -522,7 +522,7 @@ class DequantGroupedGemmSm90(GroupedGemmSm90):
             mult = bq.ue8m0_multiplier(bq.ld_shared_u8(scale_addr))
             pairs = [bq.e4m3x4_to_bf16x4(w, mult) for w in words]  # (chunk 0, chunk 1) of lane q
         else:
-            mult_lo, mult_hi = bq.e4m3_scale_multipliers(bq.ld_shared_u16(scale_addr))
+            mult_lo, mult_hi = bq.nvfp4_scale_multipliers(bq.ld_shared_u16(scale_addr), 2)
             pairs = [bq.e2m1x8_to_bf16x8(w, mult_lo, mult_hi) for w in words]  # chunks 0..3 of lane q
         for m, dst in enumerate(dst0):
             bq.st_shared_v4(bf_stage + dst + row_off * 128, *[p[m] for p in pairs])

@@ -422,10 +422,7 @@ class SwapDequantGemmSm90:
                     sc = bq.ld_shared_u16(scale_stage + scale_row + roff)
                     mult.append([bq.ue8m0_multiplier(sc & cutlass.Uint32(0xFF)), bq.ue8m0_multiplier(sc >> 8)])
                 else:
-                    sc = bq.ld_shared_b32(scale_stage + scale_row + roff)
-                    m01 = bq.e4m3_scale_multipliers(sc & cutlass.Uint32(0xFFFF))
-                    m23 = bq.e4m3_scale_multipliers(sc >> 16)
-                    mult.append([m01[0], m01[1], m23[0], m23[1]])
+                    mult.append(bq.nvfp4_scale_multipliers(bq.ld_shared_b32(scale_stage + scale_row + roff), 4))
             aoff = a * self.atom_stride * d
             if cutlass.const_expr(self.fmt == constants.FMT_MXFP8):
                 for p in range(2):  # K16 blocks 2p, 2p+1 (one 32-block: scale p)

@@ -14,7 +14,10 @@ are one contiguous run (one TMA box each):
   slot ``s ^ swizzle(r)`` (``segment_swizzle``): 8 consecutive rows then occupy 8 different 16-byte
   bank groups, so an 8-row ``ldmatrix`` and the 16-byte loads of the shared-memory dequantization are
   conflict-free.
-- scales ``[E, K/64, N, S]``: the row's raw block-scale bytes of the K tile (S = 2 UE8M0, or 4 E4M3).
+- scales ``[E, K/64, N, S]``: the row's block-scale bytes of the K tile: S = 2 raw UE8M0 bytes, or
+  S = 4 NVFP4 scale bytes re-encoded (``constants.NVFP4_SCALE_BIAS``) so that the kernels make the BF16
+  multiplier of one in two instructions; the codes of a block whose scale is zero are stored as zeros
+  (their values are zero either way), and negative scales are rejected.
 
 That is 1 + 1/32 bytes per MXFP8 weight and 1/2 + 1/16 per NVFP4 weight: what the checkpoint stores.
 """
@@ -80,8 +83,40 @@ def _check_scales(scale: torch.Tensor, fmt: str) -> None:
             raise ValueError(
                 f"MXFP8 block scales above 2**15 (scale bytes > {MXFP8_MAX_SCALE_BYTE}) are not supported by the kernel"
             )
-    elif not bool(torch.isfinite(scale.view(torch.float8_e4m3fn).float()).all()):
+        return
+    values = _bytes(scale).view(torch.float8_e4m3fn).float()
+    if not bool(torch.isfinite(values).all()):
         raise ValueError("NVFP4 block scales must be finite (E4M3 NaN codes are rejected)")
+    if bool((values < 0).any()):
+        raise ValueError("NVFP4 block scales must not be negative")
+
+
+def _nvfp4_scale_codes() -> tuple[torch.Tensor, torch.Tensor]:
+    """(stored byte of each E4M3 byte 0..255, E4M3 byte of each stored byte): the BF16 multiplier
+    ``scale * 2**112`` of a positive scale is ``(stored << 4) + NVFP4_SCALE_BIAS`` exactly (at most 4
+    significant bits; its low 4 mantissa bits are 0); zero (and -0) is 0. Negative and NaN bytes map
+    to 0 too: ``_check_scales`` rejects them first."""
+    e4m3 = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    values = e4m3.view(torch.float8_e4m3fn).float()
+    bits = (values * 2.0**112).to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    code = (bits - constants.NVFP4_SCALE_BIAS) >> 4
+    positive = values > 0
+    assert bool(((bits[positive] & 0xF) == 0).all()) and bool(((code[positive] > 0) & (code[positive] < 256)).all())
+    stored = torch.where(positive, code, 0).to(torch.uint8)
+    back = torch.zeros(256, dtype=torch.uint8)
+    back[stored[positive].long()] = e4m3[positive]
+    return stored, back
+
+
+def _pack_nvfp4_scales(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``data`` [E, N, K/2] E2M1 pairs with the codes of zero-scale blocks zeroed, and ``scale``
+    [E, N, K/16] re-encoded (``_nvfp4_scale_codes``)."""
+    stored, _ = _nvfp4_scale_codes()
+    codes = stored.to(scale.device)[scale.long()]
+    e, n, kb = data.shape
+    zero = (codes == 0).reshape(e, n, -1, 1)
+    data = torch.where(zero, torch.zeros((), dtype=data.dtype, device=data.device), data.reshape(e, n, -1, 8))
+    return data.reshape(e, n, kb), codes
 
 
 def pack_quantized_matrix(data: torch.Tensor, scale: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,6 +136,8 @@ def pack_quantized_matrix(data: torch.Tensor, scale: torch.Tensor, fmt: str) -> 
     if tuple(scale_b.shape) != (e, n, kt * spt):
         raise ValueError(f"scale shape {tuple(scale.shape)} does not match data {tuple(data.shape)} for {fmt}")
     _check_scales(scale, fmt)
+    if fmt == constants.FMT_NVFP4:
+        data_b, scale_b = _pack_nvfp4_scales(data_b, scale_b)
     seg = constants.QUANT_SEGMENT_BYTES
     nseg = d // seg
     order = torch.tensor(SEGMENT_ORDER[fmt], device=data_b.device)
@@ -117,7 +154,8 @@ def pack_quantized_matrix(data: torch.Tensor, scale: torch.Tensor, fmt: str) -> 
 
 
 def unpack_quantized_matrix(packed: torch.Tensor, scales: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`pack_quantized_matrix`: (data [E, N, K bytes] uint8, scales [E, N, K/block] uint8)."""
+    """Inverse of :func:`pack_quantized_matrix`: (data [E, N, K bytes] uint8, scales [E, N, K/block] uint8);
+    NVFP4 blocks of zero scale come back with zero codes (and scale +0)."""
     e, kt, n, d = packed.shape
     seg = constants.QUANT_SEGMENT_BYTES
     nseg = d // seg
@@ -129,7 +167,10 @@ def unpack_quantized_matrix(packed: torch.Tensor, scales: torch.Tensor, fmt: str
         segs = _e2m1_words(segs, store=False)
     inverse = torch.argsort(torch.tensor(SEGMENT_ORDER[fmt], device=packed.device))
     data = segs[..., inverse].reshape(e, n, kt * d)
-    return data.contiguous(), scales.transpose(1, 2).reshape(e, n, -1).contiguous()
+    scales = scales.transpose(1, 2).reshape(e, n, -1)
+    if fmt == constants.FMT_NVFP4:
+        scales = _nvfp4_scale_codes()[1].to(scales.device)[scales.long()]
+    return data.contiguous(), scales.contiguous()
 
 
 def pack_quantized_weights(

@@ -77,20 +77,20 @@ def ue8m0_multiplier(byte: Uint32) -> Uint32:
     return (byte + Uint32(112)) * Uint32(0x00800080)
 
 
-def e4m3_scale_multipliers(pair: Uint32) -> tuple[Uint32, Uint32]:
-    """Two E4M3 scale bytes (low 16 bits, first in the low byte) -> their BF16 multipliers
-    ``scale * 2**112``, each in both halves of a word (exact: 4 significant bits, normal in BF16)."""
-    return cute.arch.inline_ptx(
-        "{ .reg .b16 lo, hi; .reg .b32 h; .reg .f16 h0, h1; .reg .f32 f0, f1;\n"
-        "mov.b32 {lo, hi}, {$r0};\n"
-        "cvt.rn.f16x2.e4m3x2 h, lo;\n"
-        "mov.b32 {h0, h1}, h;\n"
-        "cvt.f32.f16 f0, h0; cvt.f32.f16 f1, h1;\n"
-        "mul.rn.f32 f0, f0, 0f77800000; mul.rn.f32 f1, f1, 0f77800000;\n"
-        "cvt.rn.bf16x2.f32 {$w0}, f0, f0; cvt.rn.bf16x2.f32 {$w1}, f1, f1; }",
-        write_only_types=[Uint32, Uint32],
-        read_only_args=[pair],
-    )
+def nvfp4_scale_multipliers(word: Uint32, count: int) -> list[Uint32]:
+    """The first ``count`` stored NVFP4 scale bytes of ``word`` (``constants.NVFP4_SCALE_BIAS``) -> their
+    BF16 multipliers ``scale * 2**112``, each in both halves of a word: ``prmt`` puts byte j at the
+    bottom of both halves, one multiply-add shifts it into the exponent and mantissa fields."""
+    bias2 = constants.NVFP4_SCALE_BIAS * 0x10001
+    return [
+        cute.arch.inline_ptx(
+            f"{{ .reg .b32 t; prmt.b32 t, {{$r0}}, 0, {0x4040 + 0x101 * j:#x};"
+            f" mad.lo.u32 {{$w0}}, t, 16, {bias2:#x}; }}",
+            write_only_types=[Uint32],
+            read_only_args=[word],
+        )
+        for j in range(count)
+    ]
 
 
 def st_shared_v4(addr: Int32, w0: Uint32, w1: Uint32, w2: Uint32, w3: Uint32) -> None:
@@ -352,7 +352,6 @@ __all__ = [
     "e2m1x8_to_bf16x8",
     "e4m3_to_f32",
     "e4m3x4_to_bf16x4",
-    "e4m3_scale_multipliers",
     "ld_shared_b32",
     "ld_shared_u16",
     "ld_shared_u8",
@@ -361,6 +360,7 @@ __all__ = [
     "mxfp8_codes",
     "mxfp8_qdq",
     "nvfp4_qdq",
+    "nvfp4_scale_multipliers",
     "quad_amax",
     "smem_addr",
     "st_shared_v4",
