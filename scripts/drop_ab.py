@@ -7,20 +7,26 @@ weights, NVFP4 calibration, knobs); the second one loads, for every kernel it ne
 ``--other`` (a kernel cache built from another drop checkout) whose key equals this drop's key in all
 but the drop version and source digest. ``--other-knobs`` instead (or as well) gives the second layer
 other knobs (a knob A/B on one drop: every knob is output-neutral, so the outputs must stay bitwise
-equal). Then, per T: both outputs on the same inputs (``bitwise`` or the largest difference), and the
-median ms of each, timed interleaved in rounds over rotating inputs so that clock drift reaches both
-alike. World size 1; random weights and inputs, never zeros. GPU machine:
+equal). A drop that changes the packed weight layout needs ``--other-src`` as well: the other drop's
+``src/`` directory, whose weight packing then prepares the second layer's weights, so each layer runs
+on its own layout (and an exact change still gives bitwise equal outputs). Then, per T: both outputs
+on the same inputs (``bitwise`` or the largest difference), and the median ms of each, timed
+interleaved in rounds over rotating inputs so that clock drift reaches both alike. World size 1;
+random weights and inputs, never zeros. GPU machine:
 
     here:  git worktree add /tmp/old <rev> && (cd /tmp/old && CUTE_DSL_ARCH=sm_90a python -m flashinfer.moe_ep
            build --backend ... --contract ... --cache /work/main/.kcache-old)   (and this drop's cache)
     there: source .gpu/env.sh && FLASHINFER_MOE_EP_KERNEL_CACHE=.kcache python scripts/drop_ab.py \\
            --other .kcache-old --contract qwen3-30b-a3b --backend sm90_nvfp4_nvfp4_bf16_cutedsl --tokens 4096
     or:    ... python scripts/drop_ab.py --other-knobs '{"tile_m": 16, "swap_ab": true, "swap_atoms": 2}' ...
+    layout: mkdir .drop-old && git archive <rev> flashinfer/moe_ep/kernel_src/cutedsl_megamoe/src | tar -x
+           -C .drop-old --strip-components 4, then add --other-src .drop-old/src (carry it to the GPU)
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import sys
@@ -37,6 +43,7 @@ from flashinfer.moe_ep.cli.bench import launch_times_ms, make_bench_layer
 from flashinfer.moe_ep.core.contracts import get_contract
 from flashinfer.moe_ep.core.inputs import make_contract_weights, make_hidden_states, make_topk
 from flashinfer.moe_ep.kernel_src.cutedsl_megamoe.shim import frontend, kernel_cache
+from flashinfer.moe_ep.kernel_src.cutedsl_megamoe.shim import kernel_helpers as kh
 
 
 class OtherDropLoader:
@@ -66,10 +73,41 @@ class OtherDropLoader:
         frontend.KernelFrontend.load = self.saved
 
 
+def other_packer(src: Path) -> Any:
+    """``pack_quantized_weights`` of the drop whose ``src/`` directory is ``src`` (imported as a package
+    of its own: its weight packing is torch only)."""
+    init = src / "__init__.py"
+    if not (src / "moe_quant_glu" / "weights.py").is_file() or not init.is_file():
+        raise SystemExit(f"--other-src {src}: not a drop src/ directory (no __init__.py, moe_quant_glu/weights.py)")
+    spec = importlib.util.spec_from_file_location("other_drop_src", init, submodule_search_locations=[str(src)])
+    pkg = importlib.util.module_from_spec(spec)
+    sys.modules["other_drop_src"] = pkg
+    spec.loader.exec_module(pkg)
+    return importlib.import_module("other_drop_src.moe_quant_glu.weights").pack_quantized_weights
+
+
+class OtherPacker:
+    """While active, the shim packs block-scaled weights with the other drop's function."""
+
+    def __init__(self, pack: Any) -> None:
+        self.pack = pack
+
+    def __enter__(self) -> OtherPacker:
+        if self.pack is not None:
+            kh.pack_quantized_weights = self.pack  # read by the shim at call time
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pack is not None:
+            del kh.pack_quantized_weights  # back to the lazy lookup of this drop's function
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--other", type=Path, default=None, help="kernel cache built from the other drop")
     p.add_argument("--other-knobs", default=None, help="JSON knobs of the second layer (default: --knobs)")
+    p.add_argument("--other-src", type=Path, default=None,
+                   help="the other drop's src/ directory: its weight packing prepares the second layer")  # fmt: skip
     p.add_argument("--contract", nargs="+", required=True)
     p.add_argument("--backend", required=True)
     p.add_argument("--tokens", type=int, nargs="+", required=True)
@@ -85,6 +123,9 @@ def main() -> int:
     knobs = json.loads(args.knobs) if args.knobs else None
     other_knobs = json.loads(args.other_knobs) if args.other_knobs else knobs
     other = kernel_cache.index_by_variant(args.other) if args.other else None
+    if args.other_src is not None and other is None:
+        p.error("--other-src goes with --other (the kernels built from that drop)")
+    pack = other_packer(args.other_src) if args.other_src is not None else None
     if other is not None:
         print(f"--other {args.other}: {len(other)} libraries")
     what = " and ".join(
@@ -101,7 +142,7 @@ def main() -> int:
         if other is None:
             theirs, _, _ = make_bench_layer(c, entry, w13, w2, other_knobs, cap, torch.Generator().manual_seed(7))
         else:
-            with OtherDropLoader(other) as loader:
+            with OtherDropLoader(other) as loader, OtherPacker(pack):
                 theirs, _, _ = make_bench_layer(c, entry, w13, w2, other_knobs, cap, torch.Generator().manual_seed(7))
             if not loader.loaded:
                 raise SystemExit("the other layer loaded no kernel while it was built: nothing to compare")

@@ -218,6 +218,21 @@ def test_bad_arguments() -> None:
         bad.dequantize()
 
 
+def test_negative_nvfp4_scales_are_rejected_for_the_kernels() -> None:
+    """The SM90 kernels store NVFP4 block scales without a sign: a negative one is an input error
+    there (the torch dequantization takes it); -0 is a zero scale."""
+    w13, w2 = make_expert_weights(2, 64, 32, "swiglu", generator=torch.Generator().manual_seed(3))
+    q = quantize_expert_weights(w13, w2, "nvfp4")
+    q.reject_negative_scales()  # quantize_nvfp4 makes non-negative scales
+    q.w13_scale.view(torch.uint8)[0, 0, 0] = 0x80  # -0
+    q.reject_negative_scales()
+    q.w13_scale.view(torch.uint8)[0, 0, 0] = 0xB8  # -1.0
+    with pytest.raises(MoEEpInputError, match="w13_scale has negative NVFP4 block scales"):
+        q.reject_negative_scales()
+    q.dequantize()  # the reference itself takes it
+    quantize_expert_weights(w13, w2, "mxfp8").reject_negative_scales()  # UE8M0: nothing to reject
+
+
 @pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
 def test_nan_codes_are_rejected_without_dequantizing(fmt: str) -> None:
     w13, w2 = make_expert_weights(2, 64, 32, "swiglu", generator=torch.Generator().manual_seed(3))

@@ -165,6 +165,18 @@ class QuantizedExpertWeights:
             if bool(((getattr(self, name).view(torch.uint8) & 0x7F) == 0x7F).any()):
                 raise MoEEpInputError(f"weights.{name} contains an E4M3 NaN code (0x7F / 0xFF)")
 
+    def reject_negative_scales(self) -> None:
+        """Raise on negative NVFP4 block scales (an E4M3 sign bit with a non-zero magnitude; -0 is zero),
+        which the torch dequantization takes but the SM90 kernels do not: they store each block scale
+        as the exponent and mantissa of its BF16 multiplier (drop v26). Scales come out of
+        ``quantize_nvfp4`` non-negative; MXFP8 scales have no sign."""
+        if self.fmt != "nvfp4":
+            return
+        for name in ("w13_scale", "w2_scale"):
+            b = getattr(self, name).view(torch.uint8)
+            if bool(((b & 0x80 != 0) & (b & 0x7F != 0)).any()):
+                raise MoEEpInputError(f"weights.{name} has negative NVFP4 block scales (the SM90 kernels take >= 0)")
+
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(w13, w2)`` in fp32 (exact: every dequantized value is representable in fp32)."""
         self.check()

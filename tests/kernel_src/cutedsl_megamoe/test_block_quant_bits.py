@@ -97,6 +97,36 @@ def test_e2m1_stored_words_give_value_times_2_pow_minus_126() -> None:
     assert sorted(read) == list(range(32))
 
 
+def test_nvfp4_stored_scales_give_the_bf16_multiplier() -> None:
+    """The NVFP4 scale bytes as packed (every E4M3 byte >= 0 but NaN) through the kernel's two
+    instructions (``prmt`` byte j to both halves, ``mad.lo`` by 16 plus the bias in both halves): the
+    BF16 multiplier ``scale * 2**112`` in each half, exactly. Zero scales zero their block's codes;
+    negative scales are rejected."""
+    kh = drop.kernel_helpers
+    bias2 = kh.constants.NVFP4_SCALE_BIAS * 0x10001
+    codes = [b for b in range(128) if b != 0x7F] + [0x38]  # 128 blocks of 16: K a multiple of 64
+    e4m3_values = {b: e4m3(b) for b in codes}
+    k = 16 * len(codes)
+    scale = torch.tensor(codes, dtype=torch.uint8).reshape(1, 1, -1)
+    data = torch.full((1, 1, k // 2), 0x11, dtype=torch.uint8)  # every element 0.5
+    packed, stored_t = kh.pack_quantized_weights(data, scale, data, scale, "nvfp4", 64, False)[1]
+    stored = stored_t.reshape(-1).tolist()  # [1, K/64, 1, 4]: block order
+    for j, b in enumerate(codes):
+        word = stored[4 * (j // 4) : 4 * (j // 4) + 4]
+        word = sum(x << (8 * i) for i, x in enumerate(word))
+        t = prmt(word, 0, 0x4040 + 0x101 * (j % 4))
+        mult = (t * 16 + bias2) & M32
+        want = e4m3_values[b] * 2.0**112
+        if b == 0:
+            continue  # its block's codes are zero: any multiplier gives 0
+        assert bf16_halves(mult) == (want, want), (b, bf16_halves(mult), want)
+    data_back, scale_back = kh.unpack_quantized_matrix(packed, stored_t, "nvfp4")
+    assert data_back[0, 0, :8].tolist() == [0] * 8 and data_back[0, 0, 8:].eq(0x11).all()  # block 0: scale 0
+    assert torch.equal(scale_back, scale)
+    with pytest.raises(ValueError, match="must not be negative"):
+        kh.pack_quantized_weights(data, scale | 0x80, data, scale, "nvfp4", 64, False)
+
+
 def _e2m1_threshold_chain(a: np.ndarray) -> np.ndarray:
     """The E2M1 magnitude rounding of drop v19 and before: seven comparisons, each adding a step."""
     v = np.zeros_like(a)

@@ -143,6 +143,7 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
         c = self.config
         q = self.check_quantized_weights(weights, self.fmt)
         q.reject_nan_codes()  # the kernel would turn NaN codes into numbers
+        q.reject_negative_scales()  # the kernel's NVFP4 scale bytes have no sign
         self.weights = self.frontend.prepare_weights(
             q.w13, q.w13_scale, q.w2, q.w2_scale, q.w13_global_scale, q.w2_global_scale
         )
