@@ -47,10 +47,11 @@ from flashinfer.moe_ep.kernel_src.cutedsl_megamoe.shim import kernel_helpers as 
 
 
 class OtherDropLoader:
-    """While active, every frontend loads its kernel from the other drop's cache (no compile)."""
+    """While active, every frontend loads its kernel from the other drop's cache (no compile) and, with
+    ``pack`` (``other_packer``), the shim packs block-scaled weights with the other drop's function."""
 
-    def __init__(self, other: dict[str, tuple[Path, str]]) -> None:
-        self.other, self.loaded = other, []
+    def __init__(self, other: dict[str, tuple[Path, str]], pack: Any = None) -> None:
+        self.other, self.pack, self.loaded = other, pack, []
         self.saved = frontend.KernelFrontend.load
 
     def __enter__(self) -> OtherDropLoader:
@@ -67,10 +68,14 @@ class OtherDropLoader:
             return fe._fn
 
         frontend.KernelFrontend.load = load
+        if self.pack is not None:
+            kh.pack_quantized_weights = self.pack  # read by the shim at call time
         return self
 
     def __exit__(self, *exc: object) -> None:
         frontend.KernelFrontend.load = self.saved
+        if self.pack is not None:
+            del kh.pack_quantized_weights  # back to the lazy lookup of this drop's function
 
 
 def other_packer(src: Path) -> Any:
@@ -84,22 +89,6 @@ def other_packer(src: Path) -> Any:
     sys.modules["other_drop_src"] = pkg
     spec.loader.exec_module(pkg)
     return importlib.import_module("other_drop_src.moe_quant_glu.weights").pack_quantized_weights
-
-
-class OtherPacker:
-    """While active, the shim packs block-scaled weights with the other drop's function."""
-
-    def __init__(self, pack: Any) -> None:
-        self.pack = pack
-
-    def __enter__(self) -> OtherPacker:
-        if self.pack is not None:
-            kh.pack_quantized_weights = self.pack  # read by the shim at call time
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.pack is not None:
-            del kh.pack_quantized_weights  # back to the lazy lookup of this drop's function
 
 
 def main() -> int:
@@ -142,7 +131,7 @@ def main() -> int:
         if other is None:
             theirs, _, _ = make_bench_layer(c, entry, w13, w2, other_knobs, cap, torch.Generator().manual_seed(7))
         else:
-            with OtherDropLoader(other) as loader, OtherPacker(pack):
+            with OtherDropLoader(other, pack) as loader:
                 theirs, _, _ = make_bench_layer(c, entry, w13, w2, other_knobs, cap, torch.Generator().manual_seed(7))
             if not loader.loaded:
                 raise SystemExit("the other layer loaded no kernel while it was built: nothing to compare")
