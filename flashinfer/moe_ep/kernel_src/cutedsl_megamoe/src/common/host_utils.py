@@ -142,3 +142,25 @@ def moe_bf16_workspace_spec(
         BufferSpec("a_buf", (m_cap, hidden), "bfloat16"),
         BufferSpec("h_buf", (m_cap, inter), "bfloat16"),
     ]
+
+
+def moe_quant_workspace_spec(
+    max_tokens: int,
+    hidden: int,
+    inter: int,
+    num_experts: int,
+    top_k: int,
+    tile_m: int,
+    num_sms: int = 132,
+    gather_in_fc1: bool = False,
+) -> list[BufferSpec]:
+    """Workspace buffers of ``moe_quant_glu.Sm90MegaMoEQuantKernel.__call__``, in call order: those of
+    ``moe_bf16_workspace_spec`` (``cluster_m`` 1; ``a_buf`` holds the row -> token map with
+    ``gather_in_fc1``, else the prepared activations of the pairs), then
+
+    - x_rows [max_tokens, H] bf16: with ``gather_in_fc1`` each token's prepared activation row (FC1
+      gathers from it); otherwise one row, not read
+    """
+    spec = moe_bf16_workspace_spec(max_tokens, hidden, inter, num_experts, top_k, tile_m, num_sms, 1)
+    rows = max(1, max_tokens) if gather_in_fc1 else 1
+    return [*spec, BufferSpec("x_rows", (rows, hidden), "bfloat16")]

@@ -59,7 +59,7 @@ from ..src import activations
 EPI_PLAIN = "plain"
 
 
-def _cp_async_16(dst_smem: cutlass.Int32, src_gmem: cutlass.Int64) -> None:
+def cp_async_16(dst_smem: cutlass.Int32, src_gmem: cutlass.Int64) -> None:
     """16 bytes global -> shared, cached in L2 only; the thread's next
     ``cp.async.mbarrier.arrive`` fires once it has landed."""
     cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16;", read_only_args=[dst_smem, src_gmem])
@@ -436,7 +436,7 @@ class GroupedGemmSm90:
                         for j in cutlass.range_constexpr(rows_pt):
                             if tok[j] >= 0:
                                 src = x_base + cutlass.Int64(tok[j]) * row_bytes + col
-                                _cp_async_16(dst + j * 16 * 128, src)
+                                cp_async_16(dst + j * 16 * 128, src)
                         cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipe.producer_get_barrier(prod_state))
                         prod_state.advance()
                     tile += tile_stride

@@ -1,5 +1,6 @@
 """The gathers of the quantized kernel: rows of the pairs, with the activation quantized on the way
-(BF16 inputs) or dequantized (pre-quantized inputs).
+(BF16 inputs) or dequantized (pre-quantized inputs); or, when FC1 gathers its own rows, each token's
+row once plus the row map.
 
 Routing and combine are the BF16 kernel's (``moe_bf16_glu.aux_kernels``); only the gather differs:
 every 32 consecutive hidden elements of a token (an item: MXFP8 one block, NVFP4 two blocks) are
@@ -8,11 +9,18 @@ or dequantized from the given codes and block scales (``dequant_gather_kernel``)
 exact BF16 to the token's K rows of ``a_buf``. The NVFP4 global scale is left to the GEMMs (applied
 to their fp32 accumulators) either way.
 
+With ``per_token`` (FC1 gathers its rows, ``swap_gemm`` ``gather_b``) the item goes once to the
+token's row of ``x_rows`` instead, and item 0 writes the row map: ``pair_row`` and, for each pair's
+row, its token in ``row_token``. A prefill of T tokens then writes T rows, not T * K (qwen3-30b-a3b
+T = 4096: 16 MB instead of 134 MB), and FC1 reads them where they sit in L2.
+
 An item takes ``LANES`` = 8 lanes of a warp, 4 elements each: the block amax meets over the block's
 lanes by shuffles, lane j looks up the rows of pairs j, j + 8, ... and shuffles them to the others, and
 every lane stores its 8 bytes to each of the K rows (8 lanes: 64 contiguous bytes). One thread per item
 (drop v21 and before) left a decode-sized batch with a few CTAs, each thread a chain of loads, 32
 conversions and 32 stores: 9.5 us at T = 16 on qwen3-30b-a3b (Nsight Compute, TUNING.md session 14).
+With ``per_token`` there is one row to store, so an item takes ``TOKEN_LANES`` = 4 lanes of 8 elements
+(16-byte loads and stores).
 
 The expert-parallel kernel (``ep_kernel``) prepares the rows on the source rank instead:
 ``quant_rows_kernel`` writes every live token's row, quantized-dequantized or dequantized the same
@@ -28,8 +36,14 @@ from ..moe_bf16_glu.ep_kernels import aborted, live_count
 from ..src import block_quant as bq
 
 ITEM = 32  # hidden elements per item: one MXFP8 block, two NVFP4 blocks
-LANES = 8  # lanes per item in the world-size-1 gathers
+LANES = 8  # lanes per item in the world-size-1 gathers to the pair rows
 PER_LANE = ITEM // LANES  # hidden elements per lane
+TOKEN_LANES = 4  # lanes per item with per_token: one row to store, so 16-byte loads and stores
+
+
+def item_lanes(per_token: bool) -> int:
+    """Lanes per item of a world-size-1 gather (``gather_threads``)."""
+    return TOKEN_LANES if per_token else LANES
 
 
 @cute.kernel
@@ -40,43 +54,47 @@ def quant_gather_kernel(
     expert_off: cute.Tensor,
     cta_base: cute.Tensor,
     pair_row: cute.Tensor,  # out: final row of each pair
-    a_buf: cute.Tensor,  # (M_cap, H) bf16: dequantized activations
+    a_buf: cute.Tensor,  # out: (M_cap, H) bf16, the rows of the pairs; with per_token, (T, H) the token rows
     act_gscale: cute.Tensor,  # (2,) fp32: NVFP4 global scales of x and of the FC2 input
     num_route_ctas: cutlass.Int32,  # the routing kernel's grid (its chunking)
+    row_token: cute.Tensor,  # out with per_token: (M_cap,) int32, the token of each pair's row
     fmt: cutlass.Constexpr[str],
+    per_token: cutlass.Constexpr[bool],
 ):
-    """The grid covers ``LANES`` threads per item (``gather_threads``)."""
+    """The grid covers ``item_lanes(per_token)`` threads per item (``gather_threads``)."""
     num_tokens = x.shape[0]
     top_k = topk_ids.shape[1]
     nitem = x.shape[1] // ITEM
     first, stride, chunk = item_grid(num_tokens, top_k, num_route_ctas)
+    lanes = item_lanes(per_token)
+    per_lane = ITEM // lanes
     lane = cute.arch.lane_idx()
-    j = lane % LANES
-    frag = cute.make_rmem_tensor((1, PER_LANE), x.element_type)
-    vals = cute.make_rmem_tensor((1, PER_LANE), cutlass.Float32)
-    qfrag = cute.make_rmem_tensor((1, PER_LANE), x.element_type)
+    j = lane % lanes
+    frag = cute.make_rmem_tensor((1, per_lane), x.element_type)
+    vals = cute.make_rmem_tensor((1, per_lane), cutlass.Float32)
+    qfrag = cute.make_rmem_tensor((1, per_lane), x.element_type)
     gs = cutlass.Float32(1.0)
     if cutlass.const_expr(fmt == constants.FMT_NVFP4):
         gs = act_gscale[0]
-    slots = num_tokens * nitem * LANES
+    slots = num_tokens * nitem * lanes
     # Warp-uniform trip count (the shuffles need every lane); lanes past the end redo the last slot and store nothing.
     for base in cutlass.range(first - lane, slots, stride):
         slot = cutlass.min(base + lane, slots - 1)
-        t = slot // (nitem * LANES)
-        g = slot // LANES - t * nitem
-        cute.autovec_copy(cute.local_tile(x, (1, PER_LANE), (t, g * LANES + j)), frag)
+        t = slot // (nitem * lanes)
+        g = slot // lanes - t * nitem
+        cute.autovec_copy(cute.local_tile(x, (1, per_lane), (t, g * lanes + j)), frag)
         vals.store(frag.load().to(cutlass.Float32))
-        v = [vals[0, i] for i in range(PER_LANE)]
+        v = [vals[0, i] for i in range(per_lane)]
         if cutlass.const_expr(fmt == constants.FMT_MXFP8):
-            q = bq.mxfp8_qdq(v, _lanes_amax(bq.block_amax(v), ITEM // PER_LANE))
+            q = bq.mxfp8_qdq(v, _lanes_amax(bq.block_amax(v), ITEM // per_lane))
         else:
-            q = bq.nvfp4_qdq(v, _lanes_amax(bq.block_amax(v), constants.QUANT_BLOCK[fmt] // PER_LANE), gs)
-        for i in cutlass.range_constexpr(PER_LANE):
+            q = bq.nvfp4_qdq(v, _lanes_amax(bq.block_amax(v), constants.QUANT_BLOCK[fmt] // per_lane), gs)
+        for i in cutlass.range_constexpr(per_lane):
             vals[0, i] = q[i]
         qfrag.store(vals.load().to(x.element_type))
-        _write_lane_rows(
+        _store_lane(
             qfrag, t, g, j, lane - j, base + lane < slots, topk_ids, pair_rank, expert_off, cta_base, pair_row, a_buf,
-            chunk,
+            chunk, row_token, per_token,
         )  # fmt: skip
 
 
@@ -89,9 +107,11 @@ def dequant_gather_kernel(
     expert_off: cute.Tensor,
     cta_base: cute.Tensor,
     pair_row: cute.Tensor,  # out: final row of each pair
-    a_buf: cute.Tensor,  # (M_cap, H) bf16: dequantized activations
+    a_buf: cute.Tensor,  # out: as quant_gather_kernel's
     num_route_ctas: cutlass.Int32,  # the routing kernel's grid (its chunking)
+    row_token: cute.Tensor,  # out with per_token: as quant_gather_kernel's
     fmt: cutlass.Constexpr[str],
+    per_token: cutlass.Constexpr[bool],
 ):
     """Pre-quantized activations: each item of 32 elements dequantized exactly (MXFP8 ``e4m3 *
     2**(s - 127)``, NVFP4 ``e2m1 * block scale``) and written to the token's K rows, with no
@@ -101,24 +121,26 @@ def dequant_gather_kernel(
     block = constants.QUANT_BLOCK[fmt]
     nitem = x_scale.shape[1] // (ITEM // block)
     first, stride, chunk = item_grid(num_tokens, top_k, num_route_ctas)
+    lanes = item_lanes(per_token)
+    per_lane = ITEM // lanes
     lane = cute.arch.lane_idx()
-    j = lane % LANES
-    lane_bytes = _item_bytes(fmt) // LANES  # MXFP8 4 codes, NVFP4 2 bytes of E2M1 pairs
+    j = lane % lanes
+    lane_bytes = _item_bytes(fmt) // lanes  # 8 lanes: MXFP8 4 codes, NVFP4 2 bytes of E2M1 pairs
     raw = cute.make_rmem_tensor((1, lane_bytes), cutlass.Uint8)
-    vals = cute.make_rmem_tensor((1, PER_LANE), cutlass.Float32)
-    qfrag = cute.make_rmem_tensor((1, PER_LANE), a_buf.element_type)
-    slots = num_tokens * nitem * LANES
+    vals = cute.make_rmem_tensor((1, per_lane), cutlass.Float32)
+    qfrag = cute.make_rmem_tensor((1, per_lane), a_buf.element_type)
+    slots = num_tokens * nitem * lanes
     for base in cutlass.range(first - lane, slots, stride):  # warp-uniform, as in quant_gather_kernel
         slot = cutlass.min(base + lane, slots - 1)
-        t = slot // (nitem * LANES)
-        g = slot // LANES - t * nitem
-        cute.autovec_copy(cute.local_tile(xq, (1, lane_bytes), (t, g * LANES + j)), raw)
-        scale_byte = cutlass.Uint32(x_scale[t, g * (ITEM // block) + j * PER_LANE // block])
+        t = slot // (nitem * lanes)
+        g = slot // lanes - t * nitem
+        cute.autovec_copy(cute.local_tile(xq, (1, lane_bytes), (t, g * lanes + j)), raw)
+        scale_byte = cutlass.Uint32(x_scale[t, g * (ITEM // block) + j * per_lane // block])
         _dequant_codes(raw, 0, lane_bytes, scale_byte, vals, fmt)
         qfrag.store(vals.load().to(a_buf.element_type))
-        _write_lane_rows(
+        _store_lane(
             qfrag, t, g, j, lane - j, base + lane < slots, topk_ids, pair_rank, expert_off, cta_base, pair_row, a_buf,
-            chunk,
+            chunk, row_token, per_token,
         )  # fmt: skip
 
 
@@ -165,9 +187,9 @@ def quant_rows_kernel(
                 cute.autovec_copy(cute.local_tile(qfrag, (1, vec), (0, j)), dst)
 
 
-def gather_threads(num_tokens, hidden: int):
-    """Threads of a world-size-1 gather's grid: ``LANES`` per item."""
-    return num_tokens * (hidden // ITEM) * LANES
+def gather_threads(num_tokens, hidden: int, per_token: bool = False):
+    """Threads of a world-size-1 gather's grid: ``item_lanes(per_token)`` per item."""
+    return num_tokens * (hidden // ITEM) * item_lanes(per_token)
 
 
 def _item_bytes(fmt: str) -> int:
@@ -236,6 +258,51 @@ def _lanes_amax(m: cutlass.Float32, lanes: int) -> cutlass.Float32:
 
 
 @cute.jit
+def _store_lane(
+    qfrag: cute.Tensor,
+    t: cutlass.Int32,
+    g: cutlass.Int32,
+    j: cutlass.Int32,
+    group0: cutlass.Int32,
+    active: cutlass.Boolean,
+    topk_ids: cute.Tensor,
+    pair_rank: cute.Tensor,
+    expert_off: cute.Tensor,
+    cta_base: cute.Tensor,
+    pair_row: cute.Tensor,
+    a_buf: cute.Tensor,
+    chunk: cutlass.Int32,
+    row_token: cute.Tensor,
+    per_token: cutlass.Constexpr[bool],
+) -> None:
+    """This lane's part of item ``g`` of token ``t``: to the token's K pair rows (``_write_lane_rows``) or,
+    with ``per_token``, to the token's own row, lane j of item 0 also mapping pairs j, j + TOKEN_LANES, ...
+    (``pair_row`` and ``row_token``)."""
+    if cutlass.const_expr(per_token):
+        if active:
+            lanes = TOKEN_LANES
+            cute.autovec_copy(qfrag, cute.local_tile(a_buf, (1, ITEM // lanes), (t, g * lanes + j)))
+            if g == 0:
+                top_k = topk_ids.shape[1]
+                for r in cutlass.range_constexpr((top_k + lanes - 1) // lanes):
+                    k = j + r * lanes
+                    if k < top_k:
+                        p = t * top_k + k
+                        row = _pair_row(p, topk_ids[t, k], pair_rank, expert_off, cta_base, chunk)
+                        pair_row[p] = row
+                        row_token[row] = t
+    else:
+        _write_lane_rows(
+            qfrag, t, g, j, group0, active, topk_ids, pair_rank, expert_off, cta_base, pair_row, a_buf, chunk
+        )
+
+
+def _pair_row(p, e, pair_rank: cute.Tensor, expert_off: cute.Tensor, cta_base: cute.Tensor, chunk):
+    """The row of pair ``p`` (routed to expert ``e``) in the expert-major row space."""
+    return expert_off[e] + cta_base[p // chunk, e] + pair_rank[p]
+
+
+@cute.jit
 def _write_lane_rows(
     qfrag: cute.Tensor,  # this lane's PER_LANE BF16 values of item g
     t: cutlass.Int32,
@@ -259,8 +326,7 @@ def _write_lane_rows(
     for r in cutlass.range_constexpr((top_k + LANES - 1) // LANES):
         k = cutlass.min(j + r * LANES, top_k - 1)  # lanes past K look up a valid pair, unused
         p = t * top_k + k
-        e = topk_ids[t, k]
-        mine.append(expert_off[e] + cta_base[p // chunk, e] + pair_rank[p])
+        mine.append(_pair_row(p, topk_ids[t, k], pair_rank, expert_off, cta_base, chunk))
     for k in cutlass.range_constexpr(top_k):
         row = cute.arch.shuffle_sync(mine[k // LANES], group0 + k % LANES)
         if active:

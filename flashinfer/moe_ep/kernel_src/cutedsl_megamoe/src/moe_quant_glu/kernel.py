@@ -5,7 +5,9 @@
 1. routing (the BF16 kernel's);
 2. gather with the activation quantized-dequantized along H (``aux_kernels.quant_gather_kernel``),
    or, with ``prequantized``, dequantized from the given codes and block scales
-   (``aux_kernels.dequant_gather_kernel``, no requantization);
+   (``aux_kernels.dequant_gather_kernel``, no requantization), into the K rows of each token's pairs;
+   with ``gather_in_fc1`` into the token's own row of ``x_rows`` once, plus the row map, and FC1
+   gathers its B rows from there (``swap_gemm`` ``gather_b``);
 3. FC1: packed weights dequantized to BF16 (in shared memory, ``dequant_gemm``, or with
    ``swap_ab`` for decode in registers, ``swap_gemm``), BF16 WGMMA, the activation and the
    requantization to the FC2 input format in the epilogue -> ``h_buf`` (exact BF16 values);
@@ -46,6 +48,9 @@ class Sm90MegaMoEQuantKernel:
     :param swap_stagger: K tiles the second consumer warpgroup of a swap-AB CTA starts behind the first
         (0: in lock step; at most half the ring), so one's epilogue overlaps the other's WGMMAs.
     :param num_sms, fc1_stages, fc2_stages, use_pdl, aux_vpt: as the BF16 kernel.
+    :param gather_in_fc1: (``swap_ab`` only) each token's activation row is prepared once into
+        ``x_rows`` and FC1 loads its token columns from there through the row map, instead of a
+        prepared copy per pair in ``a_buf`` (T rows written instead of T * top_k).
     :param prequantized: ``x`` holds the activation codes in the format (uint8: E4M3 [T, H] or E2M1
         pairs [T, H/2]) and ``x_scale`` their block scales (uint8: UE8M0 [T, H/32] or E4M3 [T, H/16]);
         otherwise ``x`` is bf16 [T, H], quantized by the kernel, and ``x_scale`` is not read.
@@ -71,6 +76,7 @@ class Sm90MegaMoEQuantKernel:
         prequantized: bool = False,
         swap_atoms: int = 4,
         swap_stagger: int = 0,
+        gather_in_fc1: bool = False,
     ) -> None:
         if fmt not in constants.QUANT_FORMATS:
             raise ValueError(f"unknown format {fmt!r}")
@@ -80,6 +86,9 @@ class Sm90MegaMoEQuantKernel:
             raise ValueError(f"with swap_ab, tile_m must be one of {constants.SWAP_TOKEN_TILES}, got {tile_m}")
         if not swap_ab and tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {tile_m}")
+        if gather_in_fc1 and not swap_ab:
+            raise ValueError("gather_in_fc1 needs the swap-AB GEMMs (swap_ab=True)")
+        self.gather_in_fc1 = gather_in_fc1
         self.swap_ab = swap_ab
         self.prequantized = prequantized
         self.fmt = fmt
@@ -93,7 +102,7 @@ class Sm90MegaMoEQuantKernel:
         self.aux_vpt = aux_vpt
         self.fc1, self.fc2 = quant_gemms(
             fmt, tile_m, fc1_tile_n, fc2_tile_n, activation, limit, num_sms, fc1_stages, fc2_stages, swap_ab, swap_wg,
-            probe, bf_buffers, swap_atoms, swap_stagger,
+            probe, bf_buffers, swap_atoms, swap_stagger, gather_in_fc1,
         )  # fmt: skip
 
     @cute.jit
@@ -120,6 +129,7 @@ class Sm90MegaMoEQuantKernel:
         meta: cute.Tensor,
         a_buf: cute.Tensor,
         h_buf: cute.Tensor,
+        x_rows: cute.Tensor,  # [T_cap, H] bf16: the prepared token rows (gather_in_fc1; else unused)
         stream,
     ):
         num_experts = w13.shape[0]
@@ -127,7 +137,9 @@ class Sm90MegaMoEQuantKernel:
         num_tokens, top_k = topk_ids.shape[0], topk_ids.shape[1]
         # Grids sized to the work (moe_bf16_glu.aux_kernels.launch_ctas): one CTA or a few at small T.
         route_ctas = aux_kernels.launch_ctas(num_tokens * top_k, aux_kernels.ROUTE_PAIRS_PER_CTA, self.num_sms)
-        gather_ctas = aux_kernels.launch_ctas(gather_threads(num_tokens, out.shape[1]), self.aux_threads, self.aux_grid)
+        gather_ctas = aux_kernels.launch_ctas(
+            gather_threads(num_tokens, out.shape[1], self.gather_in_fc1), self.aux_threads, self.aux_grid
+        )
         combine_items = num_tokens * (out.shape[1] // (constants.BF16_PER_16B * self.aux_vpt))
         combine_ctas = aux_kernels.launch_ctas(combine_items, self.aux_threads, self.aux_grid)
         aux_kernels.route_kernel(
@@ -146,16 +158,26 @@ class Sm90MegaMoEQuantKernel:
             False,
             False,
         ).launch(grid=[route_ctas, 1, 1], block=[constants.ROUTING_THREADS, 1, 1], stream=stream, use_pdl=pdl)
+        # gather_in_fc1: the row -> token map lives in a_buf until FC2 writes y there (FC2 starts after FC1 ends).
+        row_token = cute.make_tensor(
+            cute.recast_ptr(a_buf.iterator, dtype=cutlass.Int32), cute.make_layout(a_buf.shape[0])
+        )
+        rows = x_rows if self.gather_in_fc1 else a_buf
         if cutlass.const_expr(self.prequantized):
             gather = dequant_gather_kernel(
-                x, x_scale, topk_ids, pair_rank, expert_off, cta_base, pair_row, a_buf, route_ctas, self.fmt
-            )
+                x, x_scale, topk_ids, pair_rank, expert_off, cta_base, pair_row, rows, route_ctas, row_token,
+                self.fmt, self.gather_in_fc1,
+            )  # fmt: skip
         else:
             gather = quant_gather_kernel(
-                x, topk_ids, pair_rank, expert_off, cta_base, pair_row, a_buf, act_gscale, route_ctas, self.fmt
-            )
+                x, topk_ids, pair_rank, expert_off, cta_base, pair_row, rows, act_gscale, route_ctas, row_token,
+                self.fmt, self.gather_in_fc1,
+            )  # fmt: skip
         gather.launch(grid=[gather_ctas, 1, 1], block=[self.aux_threads, 1, 1], stream=stream, use_pdl=pdl)
-        self.fc1.launch(a_buf, w13, w13_scale, h_buf, m_block_expert, meta, w13_gscale, act_gscale, stream, pdl)
+        fc1_rows = {"x_rows": x_rows, "row_token": row_token} if self.gather_in_fc1 else {}
+        self.fc1.launch(
+            a_buf, w13, w13_scale, h_buf, m_block_expert, meta, w13_gscale, act_gscale, stream, pdl, **fc1_rows
+        )
         self.fc2.launch(h_buf, w2, w2_scale, a_buf, m_block_expert, meta, w2_gscale, act_gscale, stream, pdl)
         aux_kernels.combine_kernel(a_buf, pair_row, topk_weights, out, topk_ids.shape[1], self.aux_vpt).launch(
             grid=[combine_ctas, 1, 1], block=[self.aux_threads, 1, 1], stream=stream, use_pdl=pdl
@@ -178,13 +200,17 @@ def quant_gemms(
     bf_buffers: int = 3,
     swap_atoms: int = 4,
     swap_stagger: int = 0,
+    gather_in_fc1: bool = False,
 ) -> tuple:
     """FC1 (the activation and the requantization to the FC2 input format in its epilogue) and FC2 of the
     block-scaled kernels (world size 1 and EP): the swap-AB GEMMs (weights dequantized in registers,
-    ``tile_m`` tokens as N) or the shared-memory-dequantization ones (``tile_m``-row M tiles)."""
+    ``tile_m`` tokens as N) or the shared-memory-dequantization ones (``tile_m``-row M tiles).
+    ``gather_in_fc1``: the swap-AB FC1 loads its token rows itself (``SwapDequantGemmSm90(gather_b=True)``)."""
     if swap_ab:
         swap = {"max_wg": swap_wg, "max_atoms": swap_atoms, "stagger": swap_stagger}
-        fc1 = SwapDequantGemmSm90(fmt, tile_m, activation, limit, grid, fc1_stages, requant=True, **swap)
+        fc1 = SwapDequantGemmSm90(
+            fmt, tile_m, activation, limit, grid, fc1_stages, requant=True, gather_b=gather_in_fc1, **swap
+        )
         fc2 = SwapDequantGemmSm90(fmt, tile_m, "plain", None, grid, fc2_stages, gscale_index=1, **swap)
         return fc1, fc2
     fc1 = DequantGroupedGemmSm90(fmt, tile_m, fc1_tile_n, activation, limit, grid, fc1_stages, requant=True,

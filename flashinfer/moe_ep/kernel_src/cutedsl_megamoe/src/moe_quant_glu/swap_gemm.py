@@ -9,6 +9,12 @@ tokens per expert at decode, where the time is the weight stream; 64 and 128 for
 
 - producer warp: per K tile (64), one TMA box of the packed weight data of the CTA's rows, one of
   their scale bytes, and the ``tok_tile x 64`` BF16 activation tile of the M block;
+- ``gather_b`` (FC1 at world size 1): the activation tile comes straight from the token rows
+  ``x_rows`` (the tokens quantized-dequantized once each, not once per pair) through ``row_token``,
+  so no per-pair copy of the activations is written and read back. The whole producer warpgroup
+  loads it with 16-byte ``cp.async`` into the 128-byte-swizzled B stage, as the BF16 kernel's
+  ``grouped_gemm`` does for its A rows (``gather_a``); padding columns are not loaded (their
+  outputs are never read);
 - consumer warpgroups (one or two, each owning ``64 * atoms`` weight rows): ``ldmatrix`` of the
   packed data straight into the lane layout of a WGMMA A fragment (``weights.SEGMENT_ORDER``),
   dequantized in registers to BF16 (the same exact conversion as ``dequant_gemm``), then WGMMA
@@ -16,10 +22,13 @@ tokens per expert at decode, where the time is the weight stream; 64 and 128 for
   ``wait_group(1)`` after WGMMA k frees fragment k-1 and its ring stage. No barrier between the
   warpgroups, no shared-memory round trip.
 - staggered consumers (``stagger`` > 0, two warpgroups): both warpgroups read every ring stage (the
-  same tokens, their own weight rows), so in lock step they would run their epilogues together with
-  the tensor cores idle. The second one starts ``stagger`` K tiles behind the first (one named
-  barrier, once per CTA); the ring keeps that lag from tile to tile, so while one warpgroup runs its
-  epilogue the other issues WGMMAs alone, up to its lag (or, leading, the ring's remaining stages).
+  same tokens, their own weight rows), so in lock step they convert, multiply and run their
+  epilogues at the same moments. The second one starts ``stagger`` K tiles behind the first (one
+  named barrier, once per CTA); the ring keeps that lag from tile to tile. Measured (TUNING.md,
+  session 16): it pays where the conversion's instructions and their latency bound the GEMM (NVFP4,
+  16-token tiles: the two warpgroups' conversions no longer contend for the same issue slots at the
+  same moments), not at prefill, where the epilogue competes for those slots rather than leaving
+  tensor-core time to fill.
 
 Which weight rows a thread holds is free (``ldmatrix`` takes a row address per lane), so the
 tiling uses the packed layout of the prefill kernel unchanged and picks rows for the epilogue:
@@ -49,6 +58,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..common import constants
 from ..common.host_utils import swap_tile_plan
+from ..moe_bf16_glu.grouped_gemm import cp_async_16
 from ..src import activations
 from ..src import block_quant as bq
 from .dequant_gemm import box_inner, packed_view, ring_state
@@ -73,6 +83,7 @@ class SwapDequantGemmSm90:
         max_wg: int = 2,
         max_atoms: int = 4,
         stagger: int = 0,
+        gather_b: bool = False,
     ) -> None:
         if fmt not in constants.QUANT_FORMATS:
             raise ValueError(f"unknown format {fmt!r}")
@@ -92,6 +103,7 @@ class SwapDequantGemmSm90:
         if stagger < 0:
             raise ValueError(f"stagger must be >= 0 K tiles, got {stagger}")
         self.stagger_request = stagger
+        self.gather_b = gather_b
         self.tile_k = constants.TILE_K
         self.data_bytes = constants.QUANT_DATA_BYTES[fmt]
         self.scales_per_tile = constants.QUANT_SCALES_PER_TILE[fmt]
@@ -160,7 +172,12 @@ class SwapDequantGemmSm90:
         act_gscale: cute.Tensor,  # (2,) fp32
         stream,
         use_pdl: bool = False,
+        x_rows: cute.Tensor | None = None,
+        row_token: cute.Tensor | None = None,
     ) -> None:
+        """Trace-time: TMA descriptors, then the persistent kernel on ``stream``. With ``gather_b``,
+        ``act`` only sets the operand type: the B rows come from ``x_rows`` [T, K] through ``row_token``
+        [M_cap] int32 (no TMA descriptor over ``x_rows``: T may be 0)."""
         self._setup(w_data.shape[2])
         data_one = cute.slice_(self.data_smem_layout, (None, None, 0))
         scale_one = cute.slice_(self.scale_smem_layout, (None, None, 0))
@@ -173,7 +190,10 @@ class SwapDequantGemmSm90:
             g2s, packed_view(w_scale, self.scale_inner), scale_one, cute.shape(scale_one)
         )
         tma_b, tma_tensor_b = cpasync.make_tiled_tma_atom(g2s, act, b_one, (self.tok_tile, self.tile_k))
-        self.tma_bytes = self.data_stage_bytes + self.scale_stage_bytes + cute.size_in_bytes(cutlass.BFloat16, b_one)
+        self.tma_bytes = self.data_stage_bytes + self.scale_stage_bytes
+        if cutlass.const_expr(not self.gather_b):
+            self.tma_bytes += cute.size_in_bytes(cutlass.BFloat16, b_one)
+            x_rows, row_token = act, meta  # unused placeholders
 
         # (token column, warp, warpgroup) partial amax of the cross-warp requantization (one slot if unused)
         self.amax_shape = (self.tok_tile, 4, self.num_wg) if self.amax_bytes else 1
@@ -197,6 +217,8 @@ class SwapDequantGemmSm90:
             c,
             m_block_expert,
             meta,
+            x_rows,
+            row_token,
             w_gscale,
             act_gscale,
             self.tiled_mma,
@@ -224,6 +246,8 @@ class SwapDequantGemmSm90:
         mC: cute.Tensor,
         m_block_expert: cute.Tensor,
         meta: cute.Tensor,
+        mX: cute.Tensor,
+        row_token: cute.Tensor,
         w_gscale: cute.Tensor,
         act_gscale: cute.Tensor,
         tiled_mma: cute.TiledMma,
@@ -240,14 +264,17 @@ class SwapDequantGemmSm90:
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_w)
             cpasync.prefetch_descriptor(tma_s)
-            cpasync.prefetch_descriptor(tma_b)
+            if cutlass.const_expr(not self.gather_b):
+                cpasync.prefetch_descriptor(tma_b)
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
+        # Full barrier: warp 0's arrive.expect_tx, plus with gather_b one cp.async arrive per producer thread.
+        producers = 1 + self.threads_per_wg if self.gather_b else 1
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(),
             num_stages=self.ab_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producers),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_wg * 4),
             tx_count=self.tma_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
@@ -284,7 +311,12 @@ class SwapDequantGemmSm90:
         if wg_idx == 0:
             # ------------------------------------------------------------ producer warpgroup
             cute.arch.setmaxregister_decrease(self.producer_regs)
-            if warp_idx == 0:
+            if cutlass.const_expr(self.gather_b):
+                self._gather_producer(
+                    ab_pipe, tma_w, tWgW, tWsW, tma_s, tSgS, tSsS, storage, mX, row_token, m_block_expert,
+                    num_tiles, n_tiles, k_tiles, tidx, warp_idx, bidx, grid_x,
+                )  # fmt: skip
+            elif warp_idx == 0:
                 prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
                 tile = bidx
                 while tile < num_tiles:
@@ -359,6 +391,55 @@ class SwapDequantGemmSm90:
         return ring_state(self.ab_stages, n)
 
     @cute.jit
+    def _gather_producer(
+        self, ab_pipe, tma_w, tWgW, tWsW, tma_s, tSgS, tSsS, storage, mX, row_token, m_block_expert,
+        num_tiles, n_tiles, k_tiles, tidx, warp_idx, bidx, grid_x,
+    ) -> None:  # fmt: skip
+        """``gather_b``: warp 0 loads the weight data and scales (TMA), all four warps the token rows
+        (``cp.async``). Eight consecutive threads take the eight 16-byte chunks of a row's K tile; thread
+        group g = tidx // 8 takes token columns g + 16 j (the same row % 8, so one swizzle)."""
+        cols_pt = self.tok_tile // 16
+        chunk = tidx % 8
+        group = tidx // 8
+        swz = (chunk ^ (group % 8)) << 4
+        b_smem = storage.sB.data_ptr().toint()
+        x_base = mX.iterator.toint()
+        row_bytes = cute.size(mX, mode=[1]) * 2
+        stage_bytes = self.tok_tile * self.tile_k * 2
+        k_bytes = self.tile_k * 2
+        prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+        tile = bidx
+        while tile < num_tiles:
+            m_blk = tile // n_tiles
+            n_blk = tile - m_blk * n_tiles
+            expert = m_block_expert[m_blk] & 0xFFFF
+            valid_rows = m_block_expert[m_blk] >> 16
+            tok = []  # the token of each of this thread's columns (-1: padding, not loaded)
+            for j in cutlass.range_constexpr(cols_pt):
+                t = cutlass.Int32(-1)
+                if group + 16 * j < valid_rows:
+                    t = row_token[m_blk * self.tok_tile + group + 16 * j]
+                tok.append(t)
+            for k in cutlass.range(k_tiles, unroll=1):
+                ab_pipe.sync_object_empty.wait(prod_state.index, prod_state.phase)
+                if warp_idx == 0:
+                    ab_pipe.producer_acquire(prod_state)
+                    bar = ab_pipe.producer_get_barrier(prod_state)
+                    stage = prod_state.index
+                    cute.copy(tma_w, tWgW[(None, 0, n_blk, k, expert)], tWsW[(None, stage)], tma_bar_ptr=bar)
+                    cute.copy(tma_s, tSgS[(None, 0, n_blk, k, expert)], tSsS[(None, stage)], tma_bar_ptr=bar)
+                dst = b_smem + prod_state.index * stage_bytes + group * 128 + swz
+                col = k * k_bytes + chunk * 16
+                for j in cutlass.range_constexpr(cols_pt):
+                    if tok[j] >= 0:
+                        cp_async_16(dst + j * 16 * 128, x_base + cutlass.Int64(tok[j]) * row_bytes + col)
+                cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipe.producer_get_barrier(prod_state))
+                prod_state.advance()
+            tile += grid_x
+        if warp_idx == 0:
+            ab_pipe.producer_tail(prod_state)
+
+    @cute.jit
     def _stagger_release(self, lag: cutlass.Constexpr, n: cutlass.Int32, wg: cutlass.Int32) -> None:
         """The first warpgroup, after its ``lag``-th K tile: let the second one start."""
         if cutlass.const_expr(lag > 0):
@@ -371,6 +452,9 @@ class SwapDequantGemmSm90:
         done: ``wait_group(1)`` after WGMMA n-1), WGMMA from registers, then wait for WGMMA n-1."""
         state = self._ring_state(n)
         ab_pipe.consumer_wait(state)
+        if cutlass.const_expr(self.gather_b):
+            # The B stage was written by cp.async (generic proxy); WGMMA reads it through the async proxy.
+            cute.arch.fence_proxy("async.shared", space="cta")
         self._load_fragment(
             data_base + state.index * self.data_stage_bytes,
             scale_base + state.index * self.scale_stage_bytes,
