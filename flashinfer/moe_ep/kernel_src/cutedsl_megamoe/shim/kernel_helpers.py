@@ -39,7 +39,7 @@ QUANT_KERNEL_CALL = (
     *QUANT_OPERANDS,
     "out",
     "pair_row", "pair_rank", "expert_count", "cta_base", "expert_off", "m_block_expert", "meta", "a_buf", "h_buf",
-    "stream",
+    "x_rows", "stream",
 )  # fmt: skip
 
 #: what every EP kernel takes after ``out`` (``ep_workspace.EP_ARGS`` from ``live_tokens`` on)
@@ -65,6 +65,7 @@ SRC_SYMBOLS: dict[str, SrcSymbol] = {
     "constants": SrcSymbol("common.constants", "", False, ("shim/bf16.py",)),
     "BufferSpec": SrcSymbol("common.host_utils", "BufferSpec", False, ("shim/frontend.py",)),
     "moe_bf16_workspace_spec": SrcSymbol("common.host_utils", "moe_bf16_workspace_spec", False, ("shim/bf16.py",)),
+    "moe_quant_workspace_spec": SrcSymbol("common.host_utils", "moe_quant_workspace_spec", False, ("shim/quant.py",)),
     "swap_tile_plan": SrcSymbol("common.host_utils", "swap_tile_plan", False, ("shim/quant.py",)),
     "e2m1_word_sources": SrcSymbol("common.host_utils", "e2m1_word_sources", False, ("tests",)),
     "interleave_gate_up": SrcSymbol("moe_bf16_glu.weights", "interleave_gate_up", False, ("shim/bf16.py",)),
@@ -110,7 +111,7 @@ SRC_SYMBOLS: dict[str, SrcSymbol] = {
         "Sm90MegaMoEQuantKernel",
         True,
         ("shim/quant.py",),
-        init_params=QUANT_KERNEL_INIT,
+        init_params=(*QUANT_KERNEL_INIT, "gather_in_fc1"),
         call_params=QUANT_KERNEL_CALL,
     ),
     "export_moe_quant": SrcSymbol("moe_quant_glu.export", "export_moe_quant", True, ("shim/quant.py",)),

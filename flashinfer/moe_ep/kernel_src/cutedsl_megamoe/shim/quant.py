@@ -32,7 +32,9 @@ class QuantKnobs:
     (64 weight rows) per warpgroup (4, or 2: half the rows per warpgroup, so twice the warpgroups or
     CTAs convert the same weights); ``swap_stagger`` the K tiles (0 to 8, the kernel caps it at half
     its ring) by which the second consumer warpgroup of a CTA trails the first (0: lock step), so the
-    two do not convert, multiply and run their epilogues at the same moments."""
+    two do not convert, multiply and run their epilogues at the same moments. ``gather_in_fc1``
+    (``swap_ab``, world size 1): each token's activation row is prepared once and the swap-AB FC1
+    loads its token columns from there through the row map, instead of a prepared copy per pair."""
 
     tile_m: int = 128
     fc1_tile_n: int = 256
@@ -44,6 +46,7 @@ class QuantKnobs:
     swap_wg: int = 2
     swap_atoms: int = 4
     swap_stagger: int = 0
+    gather_in_fc1: bool = False
 
 
 def default_quant_knobs(geometry: Geometry) -> QuantKnobs:
@@ -109,6 +112,8 @@ class QuantFrontend(KernelFrontend):
             kh.swap_tile_plan(g.hidden, False, k.tile_m, k.swap_wg, k.swap_atoms)
         elif k.tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128 for the {self.fmt} kernel, got {k.tile_m}")
+        if k.gather_in_fc1 and not k.swap_ab:
+            raise ValueError("gather_in_fc1 needs the swap-AB GEMMs (swap_ab=True)")
         for n in (k.fc1_tile_n, k.fc2_tile_n):
             if n not in (64, 128, 256):
                 raise ValueError(f"N tiles must be 64, 128 or 256, got {n}")
@@ -131,13 +136,13 @@ class QuantFrontend(KernelFrontend):
 
     def _export(self, out_dir: Path, function_name: str) -> Path:
         g = self.geometry
-        kernel = kh.Sm90MegaMoEQuantKernel(**self.kernel_kwargs())
+        kernel = kh.Sm90MegaMoEQuantKernel(**self.kernel_kwargs(), gather_in_fc1=self.knobs.gather_in_fc1)
         return kh.export_moe_quant(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)
 
     def workspace_spec(self, max_tokens: int) -> list[Any]:
         g, k = self.geometry, self.knobs
-        return kh.moe_bf16_workspace_spec(
-            max_tokens, g.hidden, g.intermediate, g.num_experts, g.top_k, k.tile_m, k.num_sms, 1
+        return kh.moe_quant_workspace_spec(
+            max_tokens, g.hidden, g.intermediate, g.num_experts, g.top_k, k.tile_m, k.num_sms, k.gather_in_fc1
         )
 
     def prepare_weights(

@@ -46,6 +46,8 @@ class QuantEpFrontend(EpFrontendMixin, QuantFrontend):
     def check(self) -> None:
         self.check_ep()
         super().check()
+        if self.knobs.gather_in_fc1:
+            raise ValueError("gather_in_fc1 is a world-size-1 knob (the EP dispatch moves prepared rows already)")
 
     def _export(self, out_dir: Path, function_name: str) -> Path:
         g, k = self.geometry, self.knobs

@@ -158,6 +158,8 @@ def test_config_validation() -> None:
             with pytest.raises(MoEEpConfigError, match="swap_stagger must be 0 to 8"):
                 bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 16, "swap_ab": True,
                                                                     "swap_stagger": stagger}), 8)  # fmt: skip
+        with pytest.raises(MoEEpConfigError, match="gather_in_fc1 needs the swap-AB GEMMs"):
+            bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 128, "gather_in_fc1": True}), 8)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -169,8 +171,11 @@ def test_buckets_share_the_weight_layout(fmt: str) -> None:
         k = fes[b.name].knobs
         assert k.swap_ab and k.tile_m == b.knobs["tile_m"] and k.swap_wg == b.knobs.get("swap_wg", 2)
         assert k.swap_atoms == b.knobs.get("swap_atoms", 4) and k.swap_stagger == b.knobs.get("swap_stagger", 0)
+        assert k.gather_in_fc1 == b.knobs_for(fmt).get("gather_in_fc1", False)
         assert k.fc1_tile_n == layout.knobs.fc1_tile_n  # one packed layout
     assert len({fe.key.digest() for fe in fes.values()}) == len(fes)
+    gathering = {b.name for b in BUCKETS if fes[b.name].knobs.gather_in_fc1}
+    assert gathering == ({"swap32", "swap128"} if fmt == "mxfp8" else {"swap32", "swap64", "swap128"})
     explicit = bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 128}), 8)
     assert len({id(fe) for fe in explicit.values()}) == 1
 
@@ -323,6 +328,50 @@ def test_swap_stagger_reaches_both_gemms_as_one_named_barrier(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_gather_in_fc1_sizes_the_token_rows(fmt: str) -> None:
+    """``gather_in_fc1``: the workspace adds ``x_rows``, one prepared row per token of the capacity (one
+    row without the knob, not read); the rest is the BF16 kernel's, and the layer's buckets share it."""
+    with_rows = make_frontend(CONFIG[fmt](256, 128, 8, 2), 8, {"tile_m": 16, "swap_ab": True, "gather_in_fc1": True})
+    without = make_frontend(CONFIG[fmt](256, 128, 8, 2), 8, {"tile_m": 16, "swap_ab": True})
+    bf16 = drop.Bf16Frontend(drop.Geometry(256, 128, 8, 2, "swiglu", None))
+    for fe, rows in ((with_rows, 300), (without, 1)):
+        spec = {s.name: s for s in fe.workspace_spec(300)}
+        assert list(spec)[-1] == "x_rows" and (spec["x_rows"].shape, spec["x_rows"].dtype) == ((rows, 256), "bfloat16")
+        assert list(spec)[:-1] == [s.name for s in bf16.workspace_spec(300)]
+    assert with_rows.key.digest() != without.key.digest()
+    views = drop.allocate_shared_workspace([with_rows, without], 300, torch.device("cpu"))
+    assert views[0]["x_rows"].shape == (300, 256) and views[1]["x_rows"].shape == (1, 256)
+
+
+@pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")
+@pytest.mark.skipif(kernel_resources.find_cuobjdump() is None, reason="needs cuobjdump (pip install .[test])")
+def test_gather_in_fc1_loads_the_token_rows_with_cp_async(tmp_path: Path) -> None:
+    """With ``gather_in_fc1`` the swap-AB FC1 loads its token columns with ``cp.async`` (``LDGSTS``: one per
+    producer thread and K tile with 16-token tiles) and only the weight data and scales by TMA; FC2, and
+    FC1 without the knob, load all three by TMA and have no ``LDGSTS``. (Own process: cutlass takes the
+    target arch at import.)"""
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
+    ops = {}
+    for gather in (False, True):
+        cache = tmp_path / str(gather)
+        knobs = f'{{"tile_m": 16, "swap_ab": true, "gather_in_fc1": {str(gather).lower()}}}'
+        cmd = [sys.executable, "-m", "flashinfer.moe_ep", "build", "--backend", CONFIG["nvfp4"].kernel_name,
+               "--contract", "tiny", "--knobs", knobs, "--cache", str(cache)]  # fmt: skip
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+        (lib,) = cache.glob("*/*.so")
+        sass = kernel_resources.kernel_sass(lib)
+        gemms = [name for name in sass if "SwapDequantGemm" in name]
+        assert len(gemms) == 2, list(sass)
+        ops[gather] = [
+            tuple(sum(1 for line in sass[g] if re.search(rf"\b{op}\b", line)) for op in ("LDGSTS", "UTMALDG"))
+            for g in gemms
+        ]
+    assert ops[False] == [(0, 3), (0, 3)]
+    assert ops[True] == [(1, 2), (0, 3)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_prequantized_input_is_a_kernel_variant(fmt: str) -> None:
     """``prequantized_input=True``: every bucket's kernel takes codes and scales (its own cache keys),
     the BF16 kernels refuse that input format, and the flag must be a bool."""
@@ -364,6 +413,7 @@ def test_ep_bucket_frontends_take_the_global_experts_and_the_layer_dispatch(fmt:
     for name, fe in fronts.items():
         assert isinstance(fe, drop.QuantEpFrontend) and fe.fmt == fmt
         assert fe.geometry.num_experts == 16 and fe.local_experts == 8
+        assert not fe.knobs.gather_in_fc1  # a world-size-1 bucket knob: the EP dispatch moves prepared rows
         k = fe.knobs
         assert (k.world_size, k.ranks_per_gpu, k.dispatch, k.cluster_m, k.grid) == (2, 2, "push", 1, 66)
         assert k.tile_m == next(b for b in BUCKETS if b.name == name).knobs["tile_m"]
@@ -380,6 +430,9 @@ def test_ep_bucket_frontends_take_the_global_experts_and_the_layer_dispatch(fmt:
         ep_cls(drop.Geometry(256, 128, 2048, 4, "swiglu", None), drop.QuantEpKnobs(world_size=8)).check()
     with pytest.raises(MoEEpConfigError, match="dispatch must be one of"):
         make_frontend(CONFIG[fmt](256, 128, 16, 4), 8, None, EpPlacement(2, 1, "broadcast"))
+    with pytest.raises(MoEEpConfigError, match="gather_in_fc1 is a world-size-1 knob"):
+        make_frontend(CONFIG[fmt](256, 128, 16, 4, knobs={"tile_m": 16, "swap_ab": True, "gather_in_fc1": True}), 8,
+                      None, EpPlacement(2))  # fmt: skip
     wire = CONFIG[fmt](256, 128, 16, 4, combine_dtype="mxfp8")  # the EP combine wire: no wire at world 1
     with pytest.raises(MoEEpConfigError, match="world-size-1 .* kernel has none"):
         bucket_frontends(wire, 16)

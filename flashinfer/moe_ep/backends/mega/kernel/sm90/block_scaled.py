@@ -36,7 +36,8 @@ class Sm90BlockScaledConfig(MegaKernelConfig):
     TUNING.md, ``BUCKETS``: the swap-AB GEMMs with a token tile growing with the tokens per expert,
     16 to 128; where they cannot tile the shape, 64-row M tiles up to 32 tokens per expert and 128-row
     ones above) or a mapping of compile-time knobs for every T (``tile_m`` 64/128, or 16/32/64/128 with
-    ``swap_ab``, ``swap_wg`` 1/2, ``swap_atoms`` 2/4 and ``swap_stagger`` 0-8; ``fc1_tile_n``,
+    ``swap_ab``, ``swap_wg`` 1/2, ``swap_atoms`` 2/4, ``swap_stagger`` 0-8 and, at world size 1,
+    ``gather_in_fc1``; ``fc1_tile_n``,
     ``fc2_tile_n``, ``fc1_stages``, ``fc2_stages``, ``num_sms``; at ``world_size > 1`` also
     ``dispatch``, ``"pull"`` (default) or ``"push"``). Hidden and intermediate sizes must be
     multiples of 64.
@@ -199,15 +200,21 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
 class TokenBucket:
     """One token bucket of the block-scaled backends: the T it serves (up to ``max_pairs_per_expert`` =
     T * top_k / experts, the average rows of an expert's GEMMs), the knobs it sets over the defaults, and
-    the bucket whose knobs serve it where the swap-AB GEMMs cannot tile the shape (``fallback``)."""
+    the bucket whose knobs serve it where the swap-AB GEMMs cannot tile the shape (``fallback``), and per
+    weight format the knobs that differ from ``knobs`` (``format_knobs``)."""
 
     name: str
     knobs: dict[str, Any]
     max_pairs_per_expert: float | None = None
     fallback: str | None = None
+    format_knobs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def serves(self, t: int, top_k: int, num_experts: int) -> bool:
         return self.max_pairs_per_expert is None or t * top_k <= self.max_pairs_per_expert * num_experts
+
+    def knobs_for(self, fmt: str) -> dict[str, Any]:
+        """The knobs this bucket sets for weight format ``fmt``."""
+        return {**self.knobs, **self.format_knobs.get(fmt, {})}
 
 
 #: Token buckets, in order. Measured on the H200 (TUNING.md; qwen3-30b-a3b, qwen3-235b-a22b, deepseek-v3,
@@ -229,9 +236,16 @@ class TokenBucket:
 #:   warpgroups by 4 K tiles (session 16, interleaved A/B, outputs bitwise equal: NVFP4 on drop v25 0-5 %
 #:   faster at T = 16 and 128 on all three contracts; MXFP8 within 1.5 % either way on the drop's first
 #:   candidate); not ``swap32`` / ``swap64`` (NVFP4 on v25 -1 to +3 %), ``swap128`` (1-2 % slower at
-#:   T >= 1024) nor ``sparse16`` (-3 to +2 %).
+#:   T >= 1024) nor ``sparse16`` (-3 to +2 %). ``swap32`` ... ``swap128`` prepare each token's row once
+#:   and let FC1 gather its token columns (``gather_in_fc1``, drop v27, session 17, interleaved A/B,
+#:   outputs bitwise equal: NVFP4 1-11 % faster at T = 256-1024 on all three contracts, within
+#:   -0.6 / +1.4 % at T >= 4096; MXFP8 1-3 % faster at ``swap32`` and most ``swap128`` points, but 2-4 %
+#:   slower at ``swap64`` on qwen3-235b-a22b and deepseek-v3 in two runs, so MXFP8's ``swap64`` keeps
+#:   the per-pair gather); not ``sparse16`` / ``swap16``, where it costs up to 5 % (one more dependent
+#:   load before FC1's first token tile, no traffic to save).
 #: - ``decode`` / ``prefill``: 64 / 128-row M tiles (shared-memory dequantization), for the shapes the
 #:   swap-AB GEMMs cannot tile (sizes not multiples of 128, or gate/up not interleaved per 256).
+_GATHER = {"swap_ab": True, "gather_in_fc1": True}
 BUCKETS = (
     TokenBucket(
         "sparse16", {"tile_m": 16, "swap_ab": True, "swap_atoms": 2}, max_pairs_per_expert=0.5, fallback="decode"
@@ -239,10 +253,14 @@ BUCKETS = (
     TokenBucket(
         "swap16", {"tile_m": 16, "swap_ab": True, "swap_stagger": 4}, max_pairs_per_expert=8, fallback="decode"
     ),
-    TokenBucket("swap32", {"tile_m": 32, "swap_ab": True}, max_pairs_per_expert=16, fallback="decode"),
-    TokenBucket("swap64", {"tile_m": 64, "swap_ab": True}, max_pairs_per_expert=32, fallback="decode"),
-    TokenBucket("swap128", {"tile_m": 128, "swap_ab": True}, fallback="prefill"),
+    TokenBucket("swap32", {"tile_m": 32, **_GATHER}, max_pairs_per_expert=16, fallback="decode"),
+    TokenBucket(
+        "swap64", {"tile_m": 64, **_GATHER}, 32, "decode", format_knobs={"mxfp8": {"gather_in_fc1": False}}
+    ),
+    TokenBucket("swap128", {"tile_m": 128, **_GATHER}, fallback="prefill"),
 )
+#: bucket knobs of the world-size-1 kernel only (the EP kernels' dispatch moves prepared rows already)
+WORLD1_KNOBS = ("gather_in_fc1",)
 #: the knobs of the fallback buckets (over the defaults)
 FALLBACKS = {"decode": {"tile_m": 64}, "prefill": {}}
 
@@ -273,7 +291,7 @@ def bucket_frontends(
     fronts: dict[str, Any] = {}
     for b in buckets:
         try:
-            fronts[b.name] = make_frontend(config, num_local_experts, b.knobs, ep)
+            fronts[b.name] = make_frontend(config, num_local_experts, b.knobs_for(config.weight_format), ep)
         except MoEEpConfigError:
             if b.fallback not in fallbacks:
                 fallbacks[b.fallback] = make_frontend(config, num_local_experts, FALLBACKS[b.fallback] or None, ep)
@@ -324,6 +342,8 @@ def make_frontend(
         knobs = drop.QuantKnobs(**{**base.__dict__, **chosen}) if chosen else None
         frontend = getattr(drop, FRONTENDS[config.weight_format])(geometry, knobs)
     else:
+        bucket = {k: v for k, v in (overrides or {}).items() if k not in WORLD1_KNOBS}
+        chosen = {**bucket, **{k: v for k, v in (config.knobs or {}).items() if k not in EP_KNOBS}}
         geometry = make_geometry(config, num_local_experts * ep.world_size)
         base = drop.default_quant_knobs(geometry)
         placement = {"world_size": ep.world_size, "ranks_per_gpu": ep.ranks_per_gpu, "dispatch": ep.dispatch}
