@@ -298,30 +298,34 @@ def test_build_every_default_variant_for_sm90a(fmt: str, tmp_path: Path, capsys)
             assert lib is not None and b"__tvm_ffi_" in lib.read_bytes(), name
 
 
+def _swap_gemm_sass(cache: Path, knobs: str) -> list[list[str]]:
+    """The SASS of the two swap-AB GEMMs of the tiny NVFP4 layer with ``knobs`` (JSON), built in a process
+    of its own (cutlass takes the target arch at import)."""
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
+    cmd = [sys.executable, "-m", "flashinfer.moe_ep", "build", "--backend", CONFIG["nvfp4"].kernel_name,
+           "--contract", "tiny", "--knobs", knobs, "--cache", str(cache)]  # fmt: skip
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    (lib,) = cache.glob("*/*.so")
+    sass = kernel_resources.kernel_sass(lib)
+    gemms = [name for name in sass if "SwapDequantGemm" in name]
+    assert len(gemms) == 2, list(sass)
+    return [sass[g] for g in gemms]
+
+
 @pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")
 @pytest.mark.skipif(kernel_resources.find_cuobjdump() is None, reason="needs cuobjdump (pip install .[test])")
 def test_swap_stagger_reaches_both_gemms_as_one_named_barrier(tmp_path: Path) -> None:
     """``swap_stagger`` > 0 on a CTA of two consumer warpgroups (the tiny contract with 2 atoms per
     warpgroup): each swap-AB GEMM's first warpgroup arrives at named barrier 3 once its lag is taken
-    and the second one waits there; in lock step (0) neither GEMM has that barrier. (Built in a process
-    of its own: cutlass takes the target arch at import.)"""
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
+    and the second one waits there; in lock step (0) neither GEMM has that barrier."""
     bars = {}
     for stagger in (0, 2):
-        cache = tmp_path / str(stagger)
         knobs = f'{{"tile_m": 16, "swap_ab": true, "swap_atoms": 2, "swap_stagger": {stagger}}}'
-        cmd = [sys.executable, "-m", "flashinfer.moe_ep", "build", "--backend", CONFIG["nvfp4"].kernel_name,
-               "--contract", "tiny", "--knobs", knobs, "--cache", str(cache)]  # fmt: skip
-        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stderr[-2000:]
-        (lib,) = cache.glob("*/*.so")
-        sass = kernel_resources.kernel_sass(lib)
-        gemms = [name for name in sass if "SwapDequantGemm" in name]
-        assert len(gemms) == 2, list(sass)
         # the opcodes (modifiers dropped) that name barrier 3, e.g. "@!P1 BAR.SYNC.DEFER_BLOCKING 0x3, 0x100"
         bars[stagger] = [
-            sorted({m.group(1) for line in sass[g] if (m := re.search(r"\b(BAR\.[A-Z]+)[.A-Z_]*\s+0x3,", line))})
-            for g in gemms
+            sorted({m.group(1) for line in gemm if (m := re.search(r"\b(BAR\.[A-Z]+)[.A-Z_]*\s+0x3,", line))})
+            for gemm in _swap_gemm_sass(tmp_path / str(stagger), knobs)
         ]
     assert bars[0] == [[], []]
     assert bars[2] == [["BAR.ARV", "BAR.SYNC"], ["BAR.ARV", "BAR.SYNC"]]
@@ -348,24 +352,13 @@ def test_gather_in_fc1_sizes_the_token_rows(fmt: str) -> None:
 def test_gather_in_fc1_loads_the_token_rows_with_cp_async(tmp_path: Path) -> None:
     """With ``gather_in_fc1`` the swap-AB FC1 loads its token columns with ``cp.async`` (``LDGSTS``: one per
     producer thread and K tile with 16-token tiles) and only the weight data and scales by TMA; FC2, and
-    FC1 without the knob, load all three by TMA and have no ``LDGSTS``. (Own process: cutlass takes the
-    target arch at import.)"""
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
+    FC1 without the knob, load all three by TMA and have no ``LDGSTS``."""
     ops = {}
     for gather in (False, True):
-        cache = tmp_path / str(gather)
         knobs = f'{{"tile_m": 16, "swap_ab": true, "gather_in_fc1": {str(gather).lower()}}}'
-        cmd = [sys.executable, "-m", "flashinfer.moe_ep", "build", "--backend", CONFIG["nvfp4"].kernel_name,
-               "--contract", "tiny", "--knobs", knobs, "--cache", str(cache)]  # fmt: skip
-        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stderr[-2000:]
-        (lib,) = cache.glob("*/*.so")
-        sass = kernel_resources.kernel_sass(lib)
-        gemms = [name for name in sass if "SwapDequantGemm" in name]
-        assert len(gemms) == 2, list(sass)
         ops[gather] = [
-            tuple(sum(1 for line in sass[g] if re.search(rf"\b{op}\b", line)) for op in ("LDGSTS", "UTMALDG"))
-            for g in gemms
+            tuple(sum(1 for line in gemm if re.search(rf"\b{op}\b", line)) for op in ("LDGSTS", "UTMALDG"))
+            for gemm in _swap_gemm_sass(tmp_path / str(gather), knobs)
         ]
     assert ops[False] == [(0, 3), (0, 3)]
     assert ops[True] == [(1, 2), (0, 3)]
