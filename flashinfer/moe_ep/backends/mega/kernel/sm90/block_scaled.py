@@ -238,8 +238,8 @@ class TokenBucket:
 #:   candidate); not ``swap32`` / ``swap64`` (NVFP4 on v25 -1 to +3 %), ``swap128`` (1-2 % slower at
 #:   T >= 1024) nor ``sparse16`` (-3 to +2 %). ``swap32`` ... ``swap128`` prepare each token's row once
 #:   and let FC1 gather its token columns (``gather_in_fc1``, drop v27, session 17, interleaved A/B,
-#:   outputs bitwise equal: NVFP4 1-11 % faster at T = 256-1024 on all three contracts, within
-#:   -0.6 / +1.4 % at T >= 4096; MXFP8 1-3 % faster at ``swap32`` and most ``swap128`` points, but 2-4 %
+#:   outputs bitwise equal: NVFP4 0.5-11 % faster at T = 256-1024 on all three contracts, within
+#:   -0.6 / +1.4 % at T >= 4096; MXFP8 2-3.4 % faster at ``swap32``, -1.3 to +3.4 % at ``swap128``, but 2-4 %
 #:   slower at ``swap64`` on qwen3-235b-a22b and deepseek-v3 in two runs, so MXFP8's ``swap64`` keeps
 #:   the per-pair gather); not ``sparse16`` / ``swap16``, where it costs up to 5 % (one more dependent
 #:   load before FC1's first token tile, no traffic to save).
