@@ -70,34 +70,47 @@ def swap_tile_plan(rows: int, gated: bool, tok_tile: int, max_wg: int = 2, max_a
     (``moe_quant_glu.swap_gemm``) over a weight matrix of ``rows`` rows with ``tok_tile`` tokens.
 
     Registers bound the atoms: a thread holds ``atoms * tok_tile / 2`` fp32 accumulators and two
-    A fragments of ``16 * atoms`` words, so 4 atoms up to 32 tokens, 2 atoms from 64. Weight rows:
-    a gated FC1 (gate/up interleaved per 256 rows) takes whole 256-row blocks per CTA (4 atoms: one
-    block per warpgroup; 2 atoms: one block per CTA of two warpgroups, each taking half its features);
-    other matrices 4 atoms when 256 divides ``rows``, else 2. ``max_atoms = 2`` takes 2 atoms at any
-    token tile (half the weight rows per warpgroup: twice the CTA tiles or warpgroups over the same
-    rows). Two warpgroups when they divide and ``max_wg`` allows (one: twice the CTA tiles, for few
-    tokens where tiles are scarce)."""
-    if max_wg not in (1, 2):
-        raise ValueError(f"the swap-AB kernel takes 1 or 2 consumer warpgroups per CTA, got {max_wg}")
-    if max_atoms not in (2, 4):
-        raise ValueError(f"the swap-AB kernel takes 2 or 4 WGMMA atoms per warpgroup at most, got {max_atoms}")
+    A fragments of ``16 * atoms`` words, so 4 atoms up to 32 tokens, 2 atoms from 64; with four
+    consumer warpgroups (``SWAP_WG_REGS``: 112 registers a thread) 2 atoms at most. Weight rows: a
+    gated FC1 (gate/up interleaved per 256 rows) takes whole 256-row blocks per CTA, a block's 128
+    features split over ``4 / atoms`` warpgroups (4 atoms: one block per warpgroup; 2: two warpgroups
+    of 64 features; 1: four of 32); other matrices 4 atoms when 256 divides ``rows``, else 2.
+    ``max_atoms`` 2 or 1 takes that many atoms at any token tile (fewer weight rows per warpgroup:
+    more CTA tiles or warpgroups over the same rows). The most warpgroups up to ``max_wg`` (1, 2, 4)
+    whose rows divide ``rows`` (fewer: more CTA tiles, for few tokens where tiles are scarce); four
+    put 16 converting warps on an SM instead of 8."""
+    if max_wg not in SWAP_WG_REGS:
+        raise ValueError(f"the swap-AB kernel takes 1, 2 or 4 consumer warpgroups per CTA, got {max_wg}")
+    if max_atoms not in (1, 2, 4):
+        raise ValueError(f"the swap-AB kernel takes 1, 2 or 4 WGMMA atoms per warpgroup at most, got {max_atoms}")
     if tok_tile not in (16, 32, 64, 128):
         raise ValueError(f"the swap-AB token tile must be 16, 32, 64 or 128, got {tok_tile}")
+    if max_wg == 4 and max_atoms == 4:
+        raise ValueError("four consumer warpgroups (112 registers a thread) take 2 or 1 atoms (swap_atoms=2 or 1)")
     wide = tok_tile > 32  # 2 atoms at most
     if gated:
         if rows % 256:
             raise ValueError(f"the swap-AB kernel needs gated FC1 rows (2 * I = {rows}) to be a multiple of 256")
-        if wide and max_wg == 1:
-            raise ValueError(f"a gated FC1 with {tok_tile}-token tiles needs two consumer warpgroups (swap_wg=2)")
-        if max_atoms == 2 and max_wg == 1:
-            raise ValueError("a gated FC1 with 2 atoms per warpgroup needs two consumer warpgroups (swap_wg=2)")
-        atoms = 2 if wide or max_atoms == 2 else 4
+        atoms = min(2 if wide else 4, max_atoms)
+        if atoms * max_wg < 4:
+            need = 4 // atoms
+            raise ValueError(
+                f"a gated FC1 with {atoms} atoms per warpgroup needs {'two' if need == 2 else 'four'} consumer "
+                f"warpgroups (swap_wg={need}; {tok_tile}-token tiles, swap_atoms={max_atoms})"
+            )
+        fits = [wg for wg in SWAP_WG_REGS if wg * atoms >= 4]
     else:
         if rows % 128:
             raise ValueError(f"the swap-AB kernel needs {rows} rows to be a multiple of 128")
-        atoms = 4 if rows % 256 == 0 and not wide and max_atoms == 4 else 2
+        atoms = 4 if rows % 256 == 0 and not wide and max_atoms == 4 else min(2, max_atoms)
+        fits = list(SWAP_WG_REGS)
     wg_rows = 64 * atoms
-    return atoms, 2 if max_wg == 2 and rows % (2 * wg_rows) == 0 else 1
+    return atoms, max(wg for wg in fits if wg <= max_wg and rows % (wg * wg_rows) == 0)
+
+
+#: consumer warpgroups of a swap-AB CTA -> (producer, consumer) registers a thread after ``setmaxnreg``
+#: (the register file is 64K: four consumer warpgroups leave 112 each beside a 24-register producer)
+SWAP_WG_REGS = {1: (40, 240), 2: (40, 232), 4: (24, 112)}
 
 
 def moe_bf16_workspace_spec(

@@ -31,8 +31,9 @@ def check_problem(kernel: Sm90MegaMoEQuantKernel, hidden: int, inter: int, num_e
         raise ValueError(f"H and I must be multiples of {constants.TILE_K}")
     n1 = 2 * inter if kernel.activation in constants.GATED_ACTIVATIONS else inter
     if kernel.swap_ab:
-        swap_tile_plan(n1, kernel.activation in constants.GATED_ACTIVATIONS, kernel.tile_m, kernel.fc1.max_wg)
-        swap_tile_plan(hidden, False, kernel.tile_m, kernel.fc2.max_wg)
+        gated = kernel.activation in constants.GATED_ACTIVATIONS
+        swap_tile_plan(n1, gated, kernel.tile_m, kernel.fc1.max_wg, kernel.fc1.max_atoms)
+        swap_tile_plan(hidden, False, kernel.tile_m, kernel.fc2.max_wg, kernel.fc2.max_atoms)
     elif n1 % kernel.fc1.tile_n or hidden % kernel.fc2.tile_n:
         raise ValueError(
             f"FC1 N={n1} must divide by fc1_tile_n={kernel.fc1.tile_n} and H={hidden} by fc2_tile_n={kernel.fc2.tile_n}"

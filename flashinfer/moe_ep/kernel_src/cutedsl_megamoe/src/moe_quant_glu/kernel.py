@@ -42,9 +42,10 @@ class Sm90MegaMoEQuantKernel:
     :param swap_ab: the swap-AB GEMMs (``swap_gemm``): weights as the WGMMA A operand, dequantized in
         registers; tokens as N.
     :param swap_wg: consumer warpgroups per CTA of the swap-AB GEMMs at most (1: CTA tiles of 256
-        weight rows instead of 512, twice as many tiles for few tokens).
-    :param swap_atoms: WGMMA atoms (64 weight rows) per warpgroup of the swap-AB GEMMs at most (4, or 2:
-        half the rows per warpgroup at every token tile, see ``common.host_utils.swap_tile_plan``).
+        weight rows instead of 512, twice as many tiles for few tokens; 4, with ``swap_atoms`` 2 or 1:
+        16 converting warps on an SM instead of 8, 112 registers each).
+    :param swap_atoms: WGMMA atoms (64 weight rows) per warpgroup of the swap-AB GEMMs at most (4, or 2
+        or 1: fewer rows per warpgroup at every token tile, see ``common.host_utils.swap_tile_plan``).
     :param swap_stagger: K tiles the second consumer warpgroup of a swap-AB CTA starts behind the first
         (0: in lock step; at most half the ring), so one's epilogue overlaps the other's WGMMAs.
     :param num_sms, fc1_stages, fc2_stages, use_pdl, aux_vpt: as the BF16 kernel.

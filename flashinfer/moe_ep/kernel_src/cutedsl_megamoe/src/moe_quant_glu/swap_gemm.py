@@ -57,7 +57,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..common import constants
-from ..common.host_utils import swap_tile_plan
+from ..common.host_utils import SWAP_WG_REGS, swap_tile_plan
 from ..moe_bf16_glu.grouped_gemm import cp_async_16
 from ..src import activations
 from ..src import block_quant as bq
@@ -109,7 +109,6 @@ class SwapDequantGemmSm90:
         self.scales_per_tile = constants.QUANT_SCALES_PER_TILE[fmt]
         self.segs = self.data_bytes // constants.QUANT_SEGMENT_BYTES
         self.threads_per_wg = 128
-        self.producer_regs = 40
         self.acc_dtype = cutlass.Float32
         self.smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
 
@@ -128,7 +127,7 @@ class SwapDequantGemmSm90:
         self.block_warps = max(1, constants.QUANT_BLOCK[self.fmt] // 8 // self.groups) if self.requant else 1
         self.amax_bytes = 4 * self.tok_tile * 4 * self.num_wg if self.block_warps > 1 else 0
         self.num_threads = (1 + self.num_wg) * self.threads_per_wg
-        self.consumer_regs = 232 if self.num_wg > 1 else 240
+        self.producer_regs, self.consumer_regs = SWAP_WG_REGS[self.num_wg]
 
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             cutlass.BFloat16,

@@ -245,12 +245,14 @@ def _mxfp8_scale(amax: Float32) -> tuple[Uint32, Float32]:
 def mxfp8_qdq(vals: list, amax: Float32) -> list:
     """MXFP8 quantize-dequantize of one 32-element block (``amax`` = max |v| over it): the scale byte
     of ``_mxfp8_scale``, elements ``RNE_e4m3(v * 2**-X)`` saturating; returns ``q * 2**X`` (exact in
-    BF16)."""
+    BF16). ``vals`` may be a thread's part of a block spread over warps, of odd length too (the
+    last value then goes through the pair conversion twice)."""
     sbyte, inv = _mxfp8_scale(amax)
     scale = ue8m0_to_f32(sbyte)
     out = []
     for i in range(0, len(vals), 2):
-        out.extend(_e4m3_roundtrip_pair(vals[i], vals[i + 1], inv, scale))
+        pair = _e4m3_roundtrip_pair(vals[i], vals[min(i + 1, len(vals) - 1)], inv, scale)
+        out.extend(pair[: len(vals) - i])
     return out
 
 
