@@ -28,11 +28,12 @@ MAX_SWAP_STAGGER = 8
 class QuantKnobs:
     """Compile-time knobs of the quantized kernel (all output-neutral). ``swap_ab``: the swap-AB GEMMs
     (weights dequantized in registers, tokens as WGMMA N); ``tile_m`` is then the token tile,
-    ``swap_wg`` the most consumer warpgroups per CTA (1 or 2) and ``swap_atoms`` the most WGMMA atoms
-    (64 weight rows) per warpgroup (4, or 2: half the rows per warpgroup, so twice the warpgroups or
-    CTAs convert the same weights); ``swap_stagger`` the K tiles (0 to 8, the kernel caps it at half
-    its ring) by which the second consumer warpgroup of a CTA trails the first (0: lock step), so the
-    two do not convert, multiply and run their epilogues at the same moments. ``gather_in_fc1``
+    ``swap_wg`` the most consumer warpgroups per CTA (1, 2, or 4 with ``swap_atoms`` 2 or 1) and
+    ``swap_atoms`` the most WGMMA atoms (64 weight rows) per warpgroup (4, or 2 or 1: fewer rows per
+    warpgroup, so more warpgroups or CTAs convert the same weights); ``swap_stagger`` the K tiles (0
+    to 8, the kernel caps it at half its ring) by which the second consumer warpgroup of a CTA trails
+    the first (0: lock step), so the two do not convert, multiply and run their epilogues at the same
+    moments. ``gather_in_fc1``
     (``swap_ab``, world size 1): each token's activation row is prepared once and the swap-AB FC1
     loads its token columns from there through the row map, instead of a prepared copy per pair."""
 
@@ -96,8 +97,8 @@ class QuantFrontend(KernelFrontend):
             self.geometry, k.fc1_tile_n, k.fc2_tile_n, self.local_experts, self.fmt, ("bf16", self.fmt),
             self.combine_wires,
         )  # fmt: skip
-        if k.swap_wg not in (1, 2) or k.swap_atoms not in (2, 4):
-            raise ValueError(f"swap_wg must be 1 or 2 and swap_atoms 2 or 4, got {k.swap_wg} and {k.swap_atoms}")
+        if k.swap_wg not in (1, 2, 4) or k.swap_atoms not in (1, 2, 4):
+            raise ValueError(f"swap_wg must be 1, 2 or 4 and swap_atoms 1, 2 or 4, got {k.swap_wg} and {k.swap_atoms}")
         if not 0 <= k.swap_stagger <= MAX_SWAP_STAGGER:
             raise ValueError(f"swap_stagger must be 0 to {MAX_SWAP_STAGGER} K tiles, got {k.swap_stagger}")
         if k.swap_ab:

@@ -216,12 +216,22 @@ def test_swap_tile_plan() -> None:
         assert plan(128, False, tok, 2, 2) == (2, 1)
         with pytest.raises(ValueError, match="needs two consumer warpgroups"):
             plan(4096, True, tok, 1, 2)
-    with pytest.raises(ValueError, match="2 or 4 WGMMA atoms"):
+    # four warpgroups (112 registers): 2 or 1 atoms; a gated block of 1-atom warpgroups takes all four
+    for tok in (16, 32, 64, 128):
+        assert plan(1536, True, tok, 4, 1) == (1, 4) and plan(256, True, tok, 4, 1) == (1, 4)
+        assert plan(2048, False, tok, 4, 1) == (1, 4) and plan(128, False, tok, 4, 1) == (1, 2)
+        assert plan(7168, False, tok, 4, 2) == (2, 4) and plan(384, False, tok, 4, 2) == (2, 1)
+        assert plan(1536, True, tok, 4, 2) == (2, 4) and plan(768, True, tok, 4, 2) == (2, 2)
+        with pytest.raises(ValueError, match="needs four consumer warpgroups"):
+            plan(1536, True, tok, 2, 1)
+        with pytest.raises(ValueError, match="take 2 or 1 atoms"):
+            plan(1536, True, tok, 4, 4)
+    with pytest.raises(ValueError, match="1, 2 or 4 WGMMA atoms"):
         plan(256, False, 16, 2, 3)
     for rows, gated in ((384, True), (192, False), (2880, False)):
         with pytest.raises(ValueError, match="multiple of"):
             plan(rows, gated, 16)
-    with pytest.raises(ValueError, match="1 or 2 consumer warpgroups"):
+    with pytest.raises(ValueError, match="1, 2 or 4 consumer warpgroups"):
         plan(256, False, 16, 3)
     with pytest.raises(ValueError, match="token tile must be"):
         plan(256, False, 256)
@@ -243,9 +253,9 @@ def test_swap_bucket_falls_back_where_the_swap_kernel_does_not_fit(fmt: str) -> 
         bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 256, "swap_ab": True}), 8)
     with pytest.raises(MoEEpConfigError, match="needs two consumer warpgroups"):
         bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 64, "swap_ab": True, "swap_wg": 1}), 8)
-    with pytest.raises(MoEEpConfigError, match="swap_wg must be 1 or 2"):
+    with pytest.raises(MoEEpConfigError, match="swap_wg must be 1, 2 or 4"):
         bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 16, "swap_ab": True, "swap_wg": 3}), 8)
-    with pytest.raises(MoEEpConfigError, match="swap_atoms 2 or 4"):  # checked without swap_ab too
+    with pytest.raises(MoEEpConfigError, match="swap_atoms 1, 2 or 4"):  # checked without swap_ab too
         bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 64, "swap_atoms": 3}), 8)
     with pytest.raises(MoEEpConfigError, match="2 atoms per warpgroup needs two consumer warpgroups"):
         bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 16, "swap_ab": True, "swap_wg": 1,
@@ -298,16 +308,21 @@ def test_build_every_default_variant_for_sm90a(fmt: str, tmp_path: Path, capsys)
             assert lib is not None and b"__tvm_ffi_" in lib.read_bytes(), name
 
 
-def _swap_gemm_sass(cache: Path, knobs: str) -> list[list[str]]:
-    """The SASS of the two swap-AB GEMMs of the tiny NVFP4 layer with ``knobs`` (JSON), built in a process
-    of its own (cutlass takes the target arch at import)."""
+def _swap_gemm_lib(cache: Path, knobs: str, fmt: str = "nvfp4") -> Path:
+    """The library of the tiny layer with ``knobs`` (JSON), built in a process of its own (cutlass takes
+    the target arch at import)."""
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
-    cmd = [sys.executable, "-m", "flashinfer.moe_ep", "build", "--backend", CONFIG["nvfp4"].kernel_name,
+    cmd = [sys.executable, "-m", "flashinfer.moe_ep", "build", "--backend", CONFIG[fmt].kernel_name,
            "--contract", "tiny", "--knobs", knobs, "--cache", str(cache)]  # fmt: skip
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     (lib,) = cache.glob("*/*.so")
-    sass = kernel_resources.kernel_sass(lib)
+    return lib
+
+
+def _swap_gemm_sass(cache: Path, knobs: str, fmt: str = "nvfp4") -> list[list[str]]:
+    """The SASS of the two swap-AB GEMMs of the tiny layer with ``knobs`` (JSON)."""
+    sass = kernel_resources.kernel_sass(_swap_gemm_lib(cache, knobs, fmt))
     gemms = [name for name in sass if "SwapDequantGemm" in name]
     assert len(gemms) == 2, list(sass)
     return [sass[g] for g in gemms]
@@ -329,6 +344,24 @@ def test_swap_stagger_reaches_both_gemms_as_one_named_barrier(tmp_path: Path) ->
         ]
     assert bars[0] == [[], []]
     assert bars[2] == [["BAR.ARV", "BAR.SYNC"], ["BAR.ARV", "BAR.SYNC"]]
+
+
+@pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")
+@pytest.mark.skipif(kernel_resources.find_cuobjdump() is None, reason="needs cuobjdump (pip install .[test])")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_four_consumer_warpgroups_share_the_register_file(tmp_path: Path, fmt: str) -> None:
+    """``swap_wg=4`` (1 atom: the tiny layer's 256-row FC1 block over four warpgroups of 32 features,
+    so the MXFP8 requantization amax spans four warps): 640 threads launch with at most 96 registers
+    (20 warps x 96 x 32 fit the 64K file), the producer gives its warpgroup's back down to 24 and the
+    four consumer warpgroups take 112 (``SWAP_WG_REGS``), with nothing spilled."""
+    lib = _swap_gemm_lib(tmp_path, '{"tile_m": 16, "swap_ab": true, "swap_wg": 4, "swap_atoms": 1}', fmt)
+    gemms = [r for r in kernel_resources.kernel_resources(lib) if "SwapDequantGemm" in r.name]
+    assert len(gemms) == 2 and all(r.registers <= 96 and r.local == 0 for r in gemms), gemms
+    for name, sass in kernel_resources.kernel_sass(lib).items():
+        if "SwapDequantGemm" in name:
+            ops = sorted(line.split("USETMAXREG.")[1].split()[0] + " " + line.split()[-1]
+                         for line in sass if "USETMAXREG." in line)  # fmt: skip
+            assert ops == ["DEALLOC.CTAPOOL 0x18", "TRY_ALLOC.CTAPOOL 0x70"], (name, ops)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -114,6 +114,25 @@ GPU_VARIANTS = [
                                         "knobs": {"tile_m": 64, "swap_ab": True}})
     for fmt in FORMATS
 ] + [
+    # four consumer warpgroups per swap-AB CTA (112 registers each). 2 atoms: a gated FC1 over two
+    # 256-row blocks; 1 atom: one 256-row block over the four warpgroups (32 features each, so the
+    # MXFP8 requantization amax spans four warps), with 128-token tiles gathering their token rows;
+    # and a non-gated FC1 (relu2, 256 rows) of 1-atom warpgroups
+    (f"{fmt}-small512-swiglu-wg4", fmt, {**SMALL, "hidden_size": 512, "intermediate_size": 256,
+                                         "activation": "swiglu", "activation_limit": None,
+                                         "knobs": {"tile_m": 16, "swap_ab": True, "swap_wg": 4, "swap_atoms": 2}})
+    for fmt in FORMATS
+] + [
+    (f"{fmt}-small-swiglu-wg4a1", fmt, {**SMALL, "activation": "swiglu", "activation_limit": None,
+                                        "knobs": {"tile_m": 128, "swap_ab": True, "swap_wg": 4, "swap_atoms": 1,
+                                                  "gather_in_fc1": True}})
+    for fmt in FORMATS
+] + [
+    (f"{fmt}-small-relu2-i256-wg4a1", fmt, {**SMALL, "intermediate_size": 256, "activation": "relu2",
+                                            "activation_limit": None,
+                                            "knobs": {"tile_m": 32, "swap_ab": True, "swap_wg": 4, "swap_atoms": 1}})
+    for fmt in FORMATS
+] + [
     # activations given as codes and block scales (every default bucket)
     (f"{fmt}-preq-swiglu", fmt, {**SMALL, "activation": "swiglu", "activation_limit": None,
                                  "prequantized_input": True})
