@@ -7,7 +7,8 @@ weights, NVFP4 calibration, knobs); the second one loads, for every kernel it ne
 ``--other`` (a kernel cache built from another drop checkout) whose key equals this drop's key in all
 but the drop version and source digest. ``--other-knobs`` instead (or as well) gives the second layer
 other knobs (a knob A/B on one drop: every knob is output-neutral, so the outputs must stay bitwise
-equal). A drop that changes the packed weight layout needs ``--other-src`` as well: the other drop's
+equal; several ``--other-knobs`` build one layer each, all timed against the first in the same
+rounds). A drop that changes the packed weight layout needs ``--other-src`` as well: the other drop's
 ``src/`` directory, whose weight packing then prepares the second layer's weights, so each layer runs
 on its own layout (and an exact change still gives bitwise equal outputs). Then, per T: both outputs
 on the same inputs (``bitwise`` or the largest difference), and the median ms of each, timed
@@ -94,7 +95,9 @@ def other_packer(src: Path) -> Any:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--other", type=Path, default=None, help="kernel cache built from the other drop")
-    p.add_argument("--other-knobs", default=None, help="JSON knobs of the second layer (default: --knobs)")
+    p.add_argument("--other-knobs", nargs="+", default=None,
+                   help="JSON knobs of the second layer (default: --knobs); several: one layer each, "
+                        "every one timed against ours in the same rounds")  # fmt: skip
     p.add_argument("--other-src", type=Path, default=None,
                    help="the other drop's src/ directory: its weight packing prepares the second layer")  # fmt: skip
     p.add_argument("--contract", nargs="+", required=True)
@@ -110,7 +113,9 @@ def main() -> int:
     if args.other is None and args.other_knobs is None:
         p.error("give --other (another drop's kernel cache), --other-knobs, or both")
     knobs = json.loads(args.knobs) if args.knobs else None
-    other_knobs = json.loads(args.other_knobs) if args.other_knobs else knobs
+    candidates = [json.loads(k) for k in args.other_knobs] if args.other_knobs else [knobs]
+    if args.other is not None and len(candidates) > 1:
+        p.error("--other takes one set of --other-knobs")
     other = kernel_cache.index_by_variant(args.other) if args.other else None
     if args.other_src is not None and other is None:
         p.error("--other-src goes with --other (the kernels built from that drop)")
@@ -119,7 +124,7 @@ def main() -> int:
         print(f"--other {args.other}: {len(other)} libraries")
     what = " and ".join(
         ([f"drop of {args.other}"] if other is not None else [])
-        + ([f"knobs {other_knobs}"] if args.other_knobs else [])
+        + ([f"knobs {' / '.join(map(str, candidates))}"] if args.other_knobs else [])
     )
     rows = []
     for name in args.contract:
@@ -127,12 +132,14 @@ def main() -> int:
         w13, w2 = make_contract_weights(c, seed=7, device=dev)
         # the same calibration batch for both layers: one generator each, seeded alike
         cap = max(args.tokens)
-        ours, _, _ = make_bench_layer(c, entry, w13, w2, knobs, cap, torch.Generator().manual_seed(7))
-        if other is None:
-            theirs, _, _ = make_bench_layer(c, entry, w13, w2, other_knobs, cap, torch.Generator().manual_seed(7))
-        else:
+        layers = {"ours": make_bench_layer(c, entry, w13, w2, knobs, cap, torch.Generator().manual_seed(7))[0]}
+        for i, cand in enumerate(candidates):
+            lab = "theirs" if len(candidates) == 1 else f"k{i + 1}"
+            if other is None:
+                layers[lab] = make_bench_layer(c, entry, w13, w2, cand, cap, torch.Generator().manual_seed(7))[0]
+                continue
             with OtherDropLoader(other, pack) as loader:
-                theirs, _, _ = make_bench_layer(c, entry, w13, w2, other_knobs, cap, torch.Generator().manual_seed(7))
+                layers[lab] = make_bench_layer(c, entry, w13, w2, cand, cap, torch.Generator().manual_seed(7))[0]
             if not loader.loaded:
                 raise SystemExit("the other layer loaded no kernel while it was built: nothing to compare")
             print(f"{name}: the other drop's layer runs {len(set(loader.loaded))} of its libraries")
@@ -144,15 +151,11 @@ def main() -> int:
                 ids, w = make_topk(t, c.num_experts, c.top_k, generator=gen, device=dev)
                 feed.append(moe.MoEEpTensors(x, ids, w))
             outs = {lab: [torch.full((t, c.hidden_size), float("nan"), dtype=torch.bfloat16, device=dev)
-                          for _ in feed] for lab in ("ours", "theirs")}  # fmt: skip
-            layers = {"ours": ours, "theirs": theirs}
+                          for _ in feed] for lab in layers}  # fmt: skip
             for lab, layer in layers.items():
                 for i, s in enumerate(feed):
                     layer.forward(s, output=outs[lab][i])
             torch.cuda.synchronize()
-            diff = max(float((a.float() - b.float()).abs().max()) if t else 0.0
-                       for a, b in zip(outs["ours"], outs["theirs"], strict=True))  # fmt: skip
-            same = all(torch.equal(a, b) for a, b in zip(outs["ours"], outs["theirs"], strict=True))
             times: dict[str, list[float]] = {lab: [] for lab in layers}
             for _ in range(args.rounds):
                 for lab, layer in layers.items():
@@ -162,19 +165,26 @@ def main() -> int:
 
                     times[lab] += launch_times_ms(fn, args.iters, args.sets)
             ms = {lab: statistics.median(v) for lab, v in times.items()}
-            rows.append((name, t, ms["ours"], ms["theirs"], ms["theirs"] / ms["ours"], same, diff))
-            verdict = "bitwise equal" if same else f"differ (max {diff:.3g})"
-            print(f"  {name} T={t}: ours {ms['ours']:.4f} ms, other {ms['theirs']:.4f} ms, "
-                  f"x{ms['theirs'] / ms['ours']:.3f}, outputs {verdict}", flush=True)  # fmt: skip
-        ours.destroy()
-        theirs.destroy()
+            for lab in list(layers)[1:]:
+                diff = max(float((a.float() - b.float()).abs().max()) if t else 0.0
+                           for a, b in zip(outs["ours"], outs[lab], strict=True))  # fmt: skip
+                same = all(torch.equal(a, b) for a, b in zip(outs["ours"], outs[lab], strict=True))
+                rows.append((name, t, lab, ms["ours"], ms[lab], ms[lab] / ms["ours"], same, diff))
+                verdict = "bitwise equal" if same else f"differ (max {diff:.3g})"
+                print(f"  {name} T={t} {lab}: ours {ms['ours']:.4f} ms, other {ms[lab]:.4f} ms, "
+                      f"x{ms[lab] / ms['ours']:.3f}, outputs {verdict}", flush=True)  # fmt: skip
+        for layer in layers.values():
+            layer.destroy()
         del w13, w2
         torch.cuda.empty_cache()
     print(f"\n{args.backend}: ours against the {what}, median ms ({args.rounds} x {args.iters} interleaved launches)")
-    print(f"{'contract':16s} {'T':>6s} {'ours':>9s} {'other':>9s} {'x other':>8s}  outputs")
-    for name, t, a, b, r, same, diff in rows:
-        print(f"{name:16s} {t:6d} {a:9.4f} {b:9.4f} {r:8.3f}  {'bitwise' if same else f'max diff {diff:.3g}'}")
-    return 0 if all(r[5] for r in rows) else 1
+    if len(candidates) > 1:
+        print("\n".join(f"k{i + 1} = {json.dumps(k)}" for i, k in enumerate(candidates)))
+    print(f"{'contract':16s} {'T':>6s} {'other':>6s} {'ours':>9s} {'other':>9s} {'x other':>8s}  outputs")
+    for name, t, lab, a, b, r, same, diff in rows:
+        print(f"{name:16s} {t:6d} {lab:>6s} {a:9.4f} {b:9.4f} {r:8.3f}  "
+              f"{'bitwise' if same else f'max diff {diff:.3g}'}")  # fmt: skip
+    return 0 if all(r[6] for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -168,32 +168,39 @@ def test_buckets_share_the_weight_layout(fmt: str) -> None:
     layout = make_frontend(CONFIG[fmt](256, 128, 8, 2), 8)
     assert list(fes) == [b.name for b in BUCKETS]
     for b in BUCKETS:
-        k = fes[b.name].knobs
-        assert k.swap_ab and k.tile_m == b.knobs["tile_m"] and k.swap_wg == b.knobs.get("swap_wg", 2)
-        assert k.swap_atoms == b.knobs.get("swap_atoms", 4) and k.swap_stagger == b.knobs.get("swap_stagger", 0)
-        assert k.gather_in_fc1 == b.knobs_for(fmt).get("gather_in_fc1", False)
+        k, bk = fes[b.name].knobs, b.knobs_for(fmt)
+        assert k.swap_ab and k.tile_m == bk["tile_m"] and k.swap_wg == bk.get("swap_wg", 2)
+        assert k.swap_atoms == bk.get("swap_atoms", 4) and k.swap_stagger == bk.get("swap_stagger", 0)
+        assert k.gather_in_fc1 == bk.get("gather_in_fc1", False)
         assert k.fc1_tile_n == layout.knobs.fc1_tile_n  # one packed layout
     assert len({fe.key.digest() for fe in fes.values()}) == len(fes)
     gathering = {b.name for b in BUCKETS if fes[b.name].knobs.gather_in_fc1}
     assert gathering == ({"swap32", "swap128"} if fmt == "mxfp8" else {"swap32", "swap64", "swap128"})
+    four = {b.name for b in BUCKETS if fes[b.name].knobs.swap_wg == 4}  # NVFP4 swap16: four consumer warpgroups
+    assert four == (set() if fmt == "mxfp8" else {"swap16"})
+    assert fes["swap16"].knobs.swap_atoms == (4 if fmt == "mxfp8" else 2)
     explicit = bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 128}), 8)
     assert len({id(fe) for fe in explicit.values()}) == 1
 
 
-def test_token_buckets_follow_the_pairs_per_expert() -> None:
-    """By T * top_k / experts: <= 1/2 sparse16 (T = 1 there on every contract), <= 8 swap16, <= 16 swap32,
-    <= 32 swap64, else swap128."""
+@pytest.mark.parametrize("fmt", (None, *FORMATS))
+def test_token_buckets_follow_the_pairs_per_expert(fmt: str | None) -> None:
+    """By T * top_k / experts: <= 1/2 sparse16 (NVFP4 <= 1/8: its swap16 has four warpgroups; T = 1 there
+    on every contract), <= 8 swap16, <= 16 swap32, <= 32 swap64, else swap128."""
+    sparse = 8 if fmt == "nvfp4" else 2  # 1 / the sparse16 bound
     for k, e in ((8, 128), (8, 256), (4, 16)):
-        assert token_bucket(0, k, e) == token_bucket(1, k, e) == "sparse16"
-        t = e // (2 * k)
-        assert token_bucket(t, k, e) == "sparse16" and token_bucket(t + 1, k, e) == "swap16", (k, e, t)
+        assert token_bucket(0, k, e, fmt) == "sparse16"
+        t = e // (sparse * k)
+        assert token_bucket(t, k, e, fmt) == "sparse16" and token_bucket(t + 1, k, e, fmt) == "swap16", (k, e, t)
         for bucket, top in (("swap16", 8), ("swap32", 16), ("swap64", 32)):
             t = top * e // k
-            assert token_bucket(t, k, e) == bucket and token_bucket(t + 1, k, e) != bucket, (k, e, t)
-        assert token_bucket(10**6, k, e) == "swap128"
-    assert [token_bucket(t, 8, 128) for t in (2, 8, 9, 128, 129, 256, 257, 512, 513)] == [
-        "sparse16", "sparse16", "swap16", "swap16", "swap32", "swap32", "swap64", "swap64", "swap128"
+            assert token_bucket(t, k, e, fmt) == bucket and token_bucket(t + 1, k, e, fmt) != bucket, (k, e, t)
+        assert token_bucket(10**6, k, e, fmt) == "swap128"
+    assert [token_bucket(t, 8, 128, fmt) for t in (1, 2, 3, 8, 9, 128, 129, 256, 257, 512, 513)] == [
+        "sparse16", "sparse16", "sparse16" if sparse == 2 else "swap16", "sparse16" if sparse == 2 else "swap16",
+        "swap16", "swap16", "swap32", "swap32", "swap64", "swap64", "swap128",
     ]  # fmt: skip
+    assert token_bucket(1, 8, 256, fmt) == token_bucket(1, 8, 128, fmt) == "sparse16"  # T = 1 on every contract
 
 
 def test_swap_tile_plan() -> None:
@@ -429,6 +436,9 @@ def test_ep_buckets_follow_the_global_tokens() -> None:
     for rows, world, bucket in cases:
         assert ep_token_bucket(rows, world, 8, 128) == bucket, (rows, world)
         assert ep_token_bucket(rows, world, 8, 128) == token_bucket(max(2, world * rows), 8, 128)
+    # NVFP4: sparse16 up to 1/8 pair per expert, of the global tokens too
+    assert [ep_token_bucket(r, 2, 8, 128, "nvfp4") for r in (1, 2)] == ["sparse16", "swap16"]
+    assert [token_bucket(t, 8, 128, "nvfp4") for t in (2, 4)] == ["sparse16", "swap16"]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -34,7 +34,8 @@ pytestmark = pytest.mark.gpu
 QUANT_EP_MAX_TOKENS = 1024
 #: (name, fmt, world size, knobs, prequantized input, combine wire) of every layer these tests build
 #: (prebuilt by scripts/gpu_session.py): the default buckets of both formats, push dispatch, the
-#: 128-row shared-memory-dequantization GEMMs, codes and scales as input, the mxfp8 combine wire
+#: 128-row shared-memory-dequantization GEMMs, codes and scales as input, the mxfp8 combine wire,
+#: swap-AB CTAs of four consumer warpgroups (2 atoms, and 1: a gate/up block over four warpgroups)
 QUANT_EP_CASES = [
     ("mxfp8-w2", "mxfp8", 2, None, False, "bf16"),
     ("nvfp4-w2", "nvfp4", 2, None, False, "bf16"),
@@ -44,14 +45,23 @@ QUANT_EP_CASES = [
     ("nvfp4-w2-preq-push", "nvfp4", 2, {"dispatch": "push"}, True, "bf16"),
     ("mxfp8-w2-wire", "mxfp8", 2, None, False, "mxfp8"),
     ("nvfp4-w4-push-wire", "nvfp4", 4, {"dispatch": "push"}, False, "mxfp8"),
+    ("nvfp4-w2-wg4", "nvfp4", 2, {"tile_m": 16, "swap_ab": True, "swap_wg": 4, "swap_atoms": 2}, False, "bf16"),
+    ("mxfp8-w2-wg4a1", "mxfp8", 2, {"tile_m": 32, "swap_ab": True, "swap_wg": 4, "swap_atoms": 1}, False, "bf16"),
 ]
 GEOMETRY = {**SMALL, "activation": "swiglu", "activation_limit": None}
+#: cases on a wider layer: four consumer warpgroups per swap-AB CTA need 512 FC1 rows (2 atoms: two
+#: 256-row gate/up blocks) and H = 512 (FC2 rows), which SMALL does not have
+WIDE_CASES = {"nvfp4-w2-wg4", "mxfp8-w2-wg4a1"}
+
+
+def case_geometry(name: str) -> dict:
+    return {**GEOMETRY, "hidden_size": 512, "intermediate_size": 256} if name in WIDE_CASES else GEOMETRY
 
 
 def quant_ep_config(name: str):
     """The config of case ``name`` (the NVFP4 activation scales are runtime values: any serve the build)."""
     _, fmt, _, knobs, preq, wire = next(c for c in QUANT_EP_CASES if c[0] == name)
-    return CONFIG_CLS[fmt](**GEOMETRY, knobs=knobs, prequantized_input=preq, combine_dtype=wire)
+    return CONFIG_CLS[fmt](**case_geometry(name), knobs=knobs, prequantized_input=preq, combine_dtype=wire)
 
 
 class World:
@@ -60,12 +70,13 @@ class World:
     def __init__(self, name: str, timeout_s: float = 2.0) -> None:
         _, fmt, world, knobs, preq, wire = next(c for c in QUANT_EP_CASES if c[0] == name)
         g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-        e, h, i = SMALL["num_experts"], SMALL["hidden_size"], SMALL["intermediate_size"]
+        geometry = case_geometry(name)
+        e, h, i = geometry["num_experts"], geometry["hidden_size"], geometry["intermediate_size"]
         w13, w2 = make_expert_weights(e, h, i, "swiglu", generator=g, device="cuda")
         self.q = quantize_expert_weights(w13, w2, fmt)
         calib = make_hidden_states(256, h, generator=g, device="cuda")
-        self.scales = calibrated_scales(fmt, GEOMETRY, self.q, calib)
-        self.cfg = CONFIG_CLS[fmt](**GEOMETRY, knobs=knobs, prequantized_input=preq, combine_dtype=wire,
+        self.scales = calibrated_scales(fmt, geometry, self.q, calib)
+        self.cfg = CONFIG_CLS[fmt](**geometry, knobs=knobs, prequantized_input=preq, combine_dtype=wire,
                                    **self.scales)  # fmt: skip
         self.name, self.fmt, self.world, self.preq = name, fmt, world, preq
         group = moe.make_loopback_group(world, "cuda")
@@ -97,7 +108,7 @@ class World:
         c = self.cfg
         first_rows: dict[str, int] = {}
         for t in range(QUANT_EP_MAX_TOKENS, -1, -1):
-            first_rows[ep_token_bucket(t, self.world, c.top_k, c.num_experts)] = t
+            first_rows[ep_token_bucket(t, self.world, c.top_k, c.num_experts, c.weight_format)] = t
         for t in first_rows.values():
             inputs = self.inputs([t] * self.world, "uniform", seed=t)
             self.check(inputs, self.forward(inputs), f"priming {t} rows")

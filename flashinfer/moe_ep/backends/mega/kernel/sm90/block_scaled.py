@@ -169,7 +169,8 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
         t = staged.hidden_states.shape[0]
         if t == 0:
             return output
-        bucket = token_bucket(t, self.config.top_k, self.num_local_experts)  # host-side shapes: no device sync
+        # host-side shapes: no device sync
+        bucket = token_bucket(t, self.config.top_k, self.num_local_experts, self.config.weight_format)
         frontend = self.frontends[bucket]
         load_kernel(frontend)
         assert self.act_gscale is not None
@@ -201,16 +202,19 @@ class TokenBucket:
     """One token bucket of the block-scaled backends: the T it serves (up to ``max_pairs_per_expert`` =
     T * top_k / experts, the average rows of an expert's GEMMs), the knobs it sets over the defaults, and
     the bucket whose knobs serve it where the swap-AB GEMMs cannot tile the shape (``fallback``), and per
-    weight format the knobs that differ from ``knobs`` (``format_knobs``)."""
+    weight format the knobs that differ from ``knobs`` (``format_knobs``) and the bound where it differs
+    from ``max_pairs_per_expert`` (``format_max_pairs``)."""
 
     name: str
     knobs: dict[str, Any]
     max_pairs_per_expert: float | None = None
     fallback: str | None = None
     format_knobs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    format_max_pairs: dict[str, float] = field(default_factory=dict)
 
-    def serves(self, t: int, top_k: int, num_experts: int) -> bool:
-        return self.max_pairs_per_expert is None or t * top_k <= self.max_pairs_per_expert * num_experts
+    def serves(self, t: int, top_k: int, num_experts: int, fmt: str | None = None) -> bool:
+        bound = self.format_max_pairs.get(fmt, self.max_pairs_per_expert) if fmt else self.max_pairs_per_expert
+        return bound is None or t * top_k <= bound * num_experts
 
     def knobs_for(self, fmt: str) -> dict[str, Any]:
         """The knobs this bucket sets for weight format ``fmt``."""
@@ -226,6 +230,12 @@ class TokenBucket:
 #:   (one warpgroup of 4 atoms, session 6) at T = 1 equal to 13 % faster on all three contracts in both
 #:   formats; against ``swap16`` at T = 2-8 up to 38 % faster (qwen3-30b-a3b T = 2), 1-5 % slower at
 #:   T = 2 on qwen3-235b-a22b and deepseek-v3, even at 16 on deepseek-v3 (half a pair per expert).
+#:   NVFP4 only up to 1/8 pair per expert (T = 1-2 on qwen3, 1-4 on deepseek-v3), since its ``swap16``
+#:   has four warpgroups: session 18 (interleaved A/B, outputs bitwise equal), ``sparse16`` 16-28 % ahead
+#:   at qwen3-30b-a3b T = 2 and 18-31 % at T = 1, ``swap16`` 7-10 % ahead at qwen3-30b-a3b T = 3-4 and
+#:   2-13 % from 1/4 pair per expert on; it would also win qwen3-235b-a22b T = 2 and deepseek-v3 T = 2
+#:   and 4 (12 %), which a bound by pairs per expert cannot tell from qwen3-30b-a3b T = 2 (what differs
+#:   is the number of CTA tiles).
 #: - ``swap16`` ... ``swap128``: swap-AB (weights dequantized in registers, tokens as WGMMA N) with
 #:   two warpgroups and the token tile that wins at that many pairs per expert. Session 6: 16-token
 #:   tiles beat 32 up to T = 128 on qwen3 (8 pairs per expert). Session 7 run 2 (T = 256 to 16384):
@@ -242,16 +252,28 @@ class TokenBucket:
 #:   -0.6 / +1.4 % at T >= 4096; MXFP8 2-3.4 % faster at ``swap32``, -1.3 to +3.4 % at ``swap128``, but 2-4 %
 #:   slower at ``swap64`` on qwen3-235b-a22b and deepseek-v3 in two runs, so MXFP8's ``swap64`` keeps
 #:   the per-pair gather); not ``sparse16`` / ``swap16``, where it costs up to 5 % (one more dependent
-#:   load before FC1's first token tile, no traffic to save).
+#:   load before FC1's first token tile, no traffic to save). NVFP4's ``swap16`` gives each CTA four
+#:   consumer warpgroups of 2 atoms (``swap_wg=4``, drop v28: 16 converting warps on an SM instead of
+#:   8, 112 registers each): session 18, 7-13 % faster at T = 16 and 128 on all three contracts; MXFP8,
+#:   which streams at the DRAM rate there, within +-2 %, so it keeps two warpgroups with the stagger
+#:   (which only two-warpgroup CTAs apply).
 #: - ``decode`` / ``prefill``: 64 / 128-row M tiles (shared-memory dequantization), for the shapes the
 #:   swap-AB GEMMs cannot tile (sizes not multiples of 128, or gate/up not interleaved per 256).
 _GATHER = {"swap_ab": True, "gather_in_fc1": True}
 BUCKETS = (
     TokenBucket(
-        "sparse16", {"tile_m": 16, "swap_ab": True, "swap_atoms": 2}, max_pairs_per_expert=0.5, fallback="decode"
+        "sparse16",
+        {"tile_m": 16, "swap_ab": True, "swap_atoms": 2},
+        max_pairs_per_expert=0.5,
+        fallback="decode",
+        format_max_pairs={"nvfp4": 0.125},
     ),
     TokenBucket(
-        "swap16", {"tile_m": 16, "swap_ab": True, "swap_stagger": 4}, max_pairs_per_expert=8, fallback="decode"
+        "swap16",
+        {"tile_m": 16, "swap_ab": True, "swap_stagger": 4},
+        max_pairs_per_expert=8,
+        fallback="decode",
+        format_knobs={"nvfp4": {"swap_wg": 4, "swap_atoms": 2}},
     ),
     TokenBucket("swap32", {"tile_m": 32, **_GATHER}, max_pairs_per_expert=16, fallback="decode"),
     TokenBucket(
@@ -265,9 +287,10 @@ WORLD1_KNOBS = ("gather_in_fc1",)
 FALLBACKS = {"decode": {"tile_m": 64}, "prefill": {}}
 
 
-def token_bucket(t: int, top_k: int, num_experts: int) -> str:
-    """The bucket serving ``t`` tokens routed ``top_k`` ways over ``num_experts`` (host-side shapes)."""
-    return next(b.name for b in BUCKETS if b.serves(t, top_k, num_experts))
+def token_bucket(t: int, top_k: int, num_experts: int, fmt: str | None = None) -> str:
+    """The bucket serving ``t`` tokens routed ``top_k`` ways over ``num_experts`` (host-side shapes), for
+    weight format ``fmt`` (None: the bounds every format shares)."""
+    return next(b.name for b in BUCKETS if b.serves(t, top_k, num_experts, fmt))
 
 
 #: the drop frontend of each weight format (world size 1, and expert parallel)
@@ -316,12 +339,12 @@ def ep_buckets(world_size: int) -> tuple[TokenBucket, ...]:
     return BUCKETS
 
 
-def ep_token_bucket(rows: int, world_size: int, top_k: int, num_experts: int) -> str:
+def ep_token_bucket(rows: int, world_size: int, top_k: int, num_experts: int, fmt: str | None = None) -> str:
     """The bucket of an EP forward with ``rows`` rows on this rank: the world-size-1 rule at the
     global token count ``world_size * rows`` over the GLOBAL experts (the rows per expert the owners'
     GEMMs see). Ranks may sit in different buckets; the dispatch is the layer's, so they interoperate."""
     buckets = ep_buckets(world_size)
-    return next(b.name for b in buckets if b.serves(world_size * rows, top_k, num_experts))
+    return next(b.name for b in buckets if b.serves(world_size * rows, top_k, num_experts, fmt))
 
 
 def make_frontend(
