@@ -15,7 +15,8 @@ tokens per expert at decode, where the time is the weight stream; 64 and 128 for
   loads it with 16-byte ``cp.async`` into the 128-byte-swizzled B stage, as the BF16 kernel's
   ``grouped_gemm`` does for its A rows (``gather_a``); padding columns are not loaded (their
   outputs are never read);
-- consumer warpgroups (one or two, each owning ``64 * atoms`` weight rows): ``ldmatrix`` of the
+- consumer warpgroups (one, two or four, each owning ``64 * atoms`` weight rows; four hold 112
+  registers a thread, ``host_utils.SWAP_WG_REGS``, so 2 or 1 atoms): ``ldmatrix`` of the
   packed data straight into the lane layout of a WGMMA A fragment (``weights.SEGMENT_ORDER``),
   dequantized in registers to BF16 (the same exact conversion as ``dequant_gemm``), then WGMMA
   with A from registers. Two fragments alternate: K tile k is converted while WGMMA k-1 runs;
@@ -34,15 +35,16 @@ Which weight rows a thread holds is free (``ldmatrix`` takes a row address per l
 tiling uses the packed layout of the prefill kernel unchanged and picks rows for the epilogue:
 
 - gated FC1 (gate/up interleaved per 256 rows, ``weights.pack_quantized_weights``): the 128
-  features of a 256-row block go to one warpgroup (4 atoms) or to the two of a CTA (2 atoms, 64
-  each); atom a / row half h / lane row i of warp w reads gate (h = 0) or up (h = 1) of the
+  features of a 256-row block go to ``4 / atoms`` warpgroups (4 atoms: one; 2: two of 64 features;
+  1: four of 32); atom a / row half h / lane row i of warp w reads gate (h = 0) or up (h = 1) of the
   warpgroup's feature ``(w * atoms + a) * 8 + i``, so the activation pairs up in-thread;
 - otherwise (FC2, relu2): output feature = row ``(w * 2 * atoms + 2a + h) * 8 + i``.
 
 Each warp thus owns 8-row groups of output features (``atoms`` per gated warp, ``2 * atoms``
 otherwise). The requantization amax of a block (MXFP8 32 features, NVFP4 16: 4 or 2 groups) is
 in-thread over the groups, then over the 8 lanes of a column (shuffles 4, 8, 16); where a block is
-wider than a warp's groups (MXFP8, gated, 2 atoms: two warps) the warps trade their partial amax
+wider than a warp's groups (gated MXFP8 with 2 atoms: two warps; gated with 1 atom: four for MXFP8,
+two for NVFP4) the warps trade their partial amax
 through shared memory (one named barrier per warpgroup). Results are stored from registers, two
 features per 32-bit store (lanes i and i ^ 1 swap one column).
 """
