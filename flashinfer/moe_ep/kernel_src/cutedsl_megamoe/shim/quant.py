@@ -31,11 +31,11 @@ class QuantKnobs:
     ``swap_wg`` the most consumer warpgroups per CTA (1, 2, or 4 with ``swap_atoms`` 2 or 1) and
     ``swap_atoms`` the most WGMMA atoms (64 weight rows) per warpgroup (4, or 2 or 1: fewer rows per
     warpgroup, so more warpgroups or CTAs convert the same weights); ``swap_stagger`` the K tiles (0
-    to 8, the kernel caps it at half its ring) by which the second consumer warpgroup of a CTA trails
-    the first (0: lock step), so the two do not convert, multiply and run their epilogues at the same
-    moments. ``gather_in_fc1``
-    (``swap_ab``, world size 1): each token's activation row is prepared once and the swap-AB FC1
-    loads its token columns from there through the row map, instead of a prepared copy per pair."""
+    to 8, the kernel caps it at half its ring) by which the second consumer warpgroup of a CTA of two
+    trails the first (0: lock step; CTAs of one or four warpgroups ignore it), so the two do not
+    convert, multiply and run their epilogues at the same moments. ``gather_in_fc1`` (``swap_ab``,
+    world size 1): each token's activation row is prepared once and the swap-AB FC1 loads its token
+    columns from there through the row map, instead of a prepared copy per pair."""
 
     tile_m: int = 128
     fc1_tile_n: int = 256
