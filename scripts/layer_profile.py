@@ -7,6 +7,9 @@ activation scales calibrated as the bench does. GPU machine, prebuilt kernel cac
 
     source .gpu/env.sh && FLASHINFER_MOE_EP_KERNEL_CACHE=.kcache python scripts/layer_profile.py \\
         --contract qwen3-30b-a3b --backend sm90_mxfp8_mxfp8_bf16_cutedsl --tokens 16 128
+
+With ``--ncu``, under ``ncu --clock-control none --profile-from-start off [--section ...] python
+scripts/layer_profile.py ... --ncu``: Nsight Compute's counters for the kernels of one forward per T.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ def main() -> int:
     p.add_argument("--tokens", type=int, nargs="+", required=True)
     p.add_argument("--knobs", default=None, help="JSON knobs for the backend config")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--ncu", action="store_true",
+                   help="no torch profiler: one forward per T between cudaProfilerStart / Stop, for "
+                        "ncu --profile-from-start off (Nsight Compute then sees exactly those kernels)")  # fmt: skip
     args = p.parse_args()
 
     c = get_contract(args.contract)
@@ -51,6 +57,13 @@ def main() -> int:
         for _ in range(3):
             layer.forward(inp)
         torch.cuda.synchronize()
+        if args.ncu:
+            torch.cuda.profiler.start()
+            layer.forward(inp)
+            torch.cuda.synchronize()
+            torch.cuda.profiler.stop()
+            print(f"{args.contract} {entry.kernel_name} T={t} knobs={args.knobs}: one forward for ncu")
+            continue
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(args.iters):
                 layer.forward(inp)
