@@ -27,6 +27,7 @@ random weights and inputs, never zeros. GPU machine:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import statistics
@@ -135,14 +136,12 @@ def main() -> int:
         layers = {"ours": make_bench_layer(c, entry, w13, w2, knobs, cap, torch.Generator().manual_seed(7))[0]}
         for i, cand in enumerate(candidates):
             lab = "theirs" if len(candidates) == 1 else f"k{i + 1}"
-            if other is None:
+            with OtherDropLoader(other, pack) if other is not None else contextlib.nullcontext() as loader:
                 layers[lab] = make_bench_layer(c, entry, w13, w2, cand, cap, torch.Generator().manual_seed(7))[0]
-                continue
-            with OtherDropLoader(other, pack) as loader:
-                layers[lab] = make_bench_layer(c, entry, w13, w2, cand, cap, torch.Generator().manual_seed(7))[0]
-            if not loader.loaded:
-                raise SystemExit("the other layer loaded no kernel while it was built: nothing to compare")
-            print(f"{name}: the other drop's layer runs {len(set(loader.loaded))} of its libraries")
+            if loader is not None:
+                if not loader.loaded:
+                    raise SystemExit("the other layer loaded no kernel while it was built: nothing to compare")
+                print(f"{name}: the other drop's layer runs {len(set(loader.loaded))} of its libraries")
         gen = torch.Generator().manual_seed(11)
         for t in args.tokens:
             feed = []

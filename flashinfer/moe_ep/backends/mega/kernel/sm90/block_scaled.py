@@ -213,7 +213,7 @@ class TokenBucket:
     format_max_pairs: dict[str, float] = field(default_factory=dict)
 
     def serves(self, t: int, top_k: int, num_experts: int, fmt: str | None = None) -> bool:
-        bound = self.format_max_pairs.get(fmt, self.max_pairs_per_expert) if fmt else self.max_pairs_per_expert
+        bound = self.format_max_pairs.get(fmt, self.max_pairs_per_expert)  # fmt None: the shared bound
         return bound is None or t * top_k <= bound * num_experts
 
     def knobs_for(self, fmt: str) -> dict[str, Any]:
