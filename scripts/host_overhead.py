@@ -58,7 +58,7 @@ def bare_launch(be: object, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
         return (lambda: fe.launch(x, ids, w, be.w13, be.w2, out, ws)), fe.load(), args
     from flashinfer.moe_ep.backends.mega.kernel.sm90.block_scaled import token_bucket
 
-    bucket = token_bucket(t, be.config.top_k, be.num_local_experts, be.config.weight_format)
+    bucket = token_bucket(t, be.config.top_k, be.num_local_experts, be.config.weight_format, be.frontends)
     fe, ws, pw = be.frontends[bucket], be.workspace[bucket], be.weights
     args = (x, be.no_scales, ids, w, pw.w13, pw.w13_scale, pw.w2, pw.w2_scale, pw.w13_gscale, pw.w2_gscale,
             be.act_gscale, out, *ws.values())  # fmt: skip

@@ -49,6 +49,11 @@ class QuantKnobs:
     swap_stagger: int = 0
     gather_in_fc1: bool = False
 
+    @property
+    def grid(self) -> int:
+        """CTAs of the persistent GEMM grids (one wave)."""
+        return self.num_sms
+
 
 def default_quant_knobs(geometry: Geometry) -> QuantKnobs:
     gated = geometry.activation in kh.constants.GATED_ACTIVATIONS
@@ -91,6 +96,20 @@ class QuantFrontend(KernelFrontend):
         """Experts of this rank (the EP frontend splits ``geometry.num_experts`` over the ranks)."""
         return self.geometry.num_experts
 
+    @property
+    def fc1_rows(self) -> int:
+        """Rows of the FC1 weight matrix of one expert (gate and up: 2 * I)."""
+        return 2 * self.geometry.intermediate if self.gated else self.geometry.intermediate
+
+    def fc1_cta_tiles(self, busy_experts: int) -> int | None:
+        """CTA tiles of the swap-AB FC1 when ``busy_experts`` experts hold one token tile each (None
+        without ``swap_ab``): its CTAs cover ``64 * atoms * warpgroups`` weight rows (``swap_tile_plan``)."""
+        k = self.knobs
+        if not k.swap_ab:
+            return None
+        atoms, wg = kh.swap_tile_plan(self.fc1_rows, self.gated, k.tile_m, k.swap_wg, k.swap_atoms)
+        return busy_experts * (self.fc1_rows // (64 * atoms * wg))
+
     def check(self) -> None:
         k = self.knobs
         check_glu_geometry(
@@ -107,10 +126,8 @@ class QuantFrontend(KernelFrontend):
                 raise ValueError(f"with swap_ab, tile_m must be one of {tiles} for {self.fmt}, got {k.tile_m}")
             if self.gated and k.fc1_tile_n != 256:
                 raise ValueError(f"swap_ab needs gate/up rows interleaved per 256 (fc1_tile_n=256), got {k.fc1_tile_n}")
-            g = self.geometry
-            fc1_rows = 2 * g.intermediate if self.gated else g.intermediate
-            kh.swap_tile_plan(fc1_rows, self.gated, k.tile_m, k.swap_wg, k.swap_atoms)
-            kh.swap_tile_plan(g.hidden, False, k.tile_m, k.swap_wg, k.swap_atoms)
+            kh.swap_tile_plan(self.fc1_rows, self.gated, k.tile_m, k.swap_wg, k.swap_atoms)
+            kh.swap_tile_plan(self.geometry.hidden, False, k.tile_m, k.swap_wg, k.swap_atoms)
         elif k.tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128 for the {self.fmt} kernel, got {k.tile_m}")
         if k.gather_in_fc1 and not k.swap_ab:

@@ -203,6 +203,41 @@ def test_token_buckets_follow_the_pairs_per_expert(fmt: str | None) -> None:
     assert token_bucket(1, 8, 256, fmt) == token_bucket(1, 8, 128, fmt) == "sparse16"  # T = 1 on every contract
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_nvfp4_sparse16_serves_while_its_fc1_fits_one_wave(fmt: str) -> None:
+    """NVFP4's ``sparse16`` also needs its 256-row FC1 tiles over ``min(T * top_k, experts)`` busy
+    experts to fit the grid (session 18 A/B: it wins in one wave, four-warpgroup ``swap16`` from two);
+    MXFP8, and callers that give no frontends, follow the pairs per expert alone."""
+    last = {"qwen3-30b-a3b": 2, "qwen3-235b-a22b": 1, "deepseek-v3": 1}  # the last NVFP4 sparse16 T
+    for name, last_t in last.items():
+        c = CONTRACTS[name]
+        fes = bucket_frontends(CONFIG[fmt](c.hidden_size, c.intermediate_size, c.num_experts, c.top_k), c.num_experts)
+        fc1_rows = 2 * c.intermediate_size
+        assert fes["sparse16"].fc1_cta_tiles(c.top_k) == c.top_k * fc1_rows // 256  # T = 1: 256-row CTAs
+        assert fes["swap16"].fc1_cta_tiles(c.top_k) == c.top_k * fc1_rows // 512
+        picks = [token_bucket(t, c.top_k, c.num_experts, fmt, fes) for t in range(1, 5)]
+        by_pairs = [token_bucket(t, c.top_k, c.num_experts, fmt) for t in range(1, 5)]
+        if fmt == "mxfp8":
+            assert picks == by_pairs, name
+        else:
+            assert picks == ["sparse16"] * last_t + ["swap16"] * (4 - last_t), (name, picks)
+            assert by_pairs[:last_t] == picks[:last_t]  # the wave only ever moves T up to swap16
+    # EP: the global tokens, this rank's share of the busy experts, its grid (loopback: the SMs / ranks).
+    # qwen3-235b-a22b, 2 ranks x 1 row: 16 busy experts, 8 on a rank -> 96 FC1 tiles: one wave of 132
+    # CTAs (a rank per GPU), two of 66 (two loopback ranks on one GPU)
+    c = CONTRACTS["qwen3-235b-a22b"]
+    cfg = CONFIG[fmt](c.hidden_size, c.intermediate_size, c.num_experts, c.top_k)
+    for per_gpu, want in ((1, "sparse16"), (2, "swap16")):
+        fes = bucket_frontends(cfg, c.num_experts // 2, EpPlacement(2, per_gpu))
+        assert fes["sparse16"].fc1_cta_tiles(8) == 96 and fes["sparse16"].knobs.grid == 132 // per_gpu
+        got = ep_token_bucket(1, 2, c.top_k, c.num_experts, fmt, fes)
+        assert got == (want if fmt == "nvfp4" else "sparse16"), (per_gpu, got)
+    # a fallback frontend (no swap-AB: I = 192) has no FC1 wave: the pairs decide
+    fes = bucket_frontends(CONFIG[fmt](256, 192, 8, 2), 8)
+    assert fes["sparse16"].fc1_cta_tiles(8) is None
+    assert [token_bucket(t, 2, 8, fmt, fes) for t in range(4)] == [token_bucket(t, 2, 8, fmt) for t in range(4)]
+
+
 def test_swap_tile_plan() -> None:
     """(atoms of 64 weight rows per warpgroup, warpgroups per CTA) of the swap-AB GEMMs."""
     plan = kh.swap_tile_plan

@@ -105,10 +105,10 @@ class World:
         one rank's chain is spinning for a peer whose first call of another bucket's library is loading,
         that wait would expire. With every library called once in lockstep, ranks may mix buckets. Rows
         down to 0: at world size 4 the bucket of the fewest tokens (``sparse16``) serves 0 rows only."""
-        c = self.cfg
+        c, fronts = self.cfg, self.layers[0].backend.frontends
         first_rows: dict[str, int] = {}
         for t in range(QUANT_EP_MAX_TOKENS, -1, -1):
-            first_rows[ep_token_bucket(t, self.world, c.top_k, c.num_experts, c.weight_format)] = t
+            first_rows[ep_token_bucket(t, self.world, c.top_k, c.num_experts, c.weight_format, fronts)] = t
         for t in first_rows.values():
             inputs = self.inputs([t] * self.world, "uniform", seed=t)
             self.check(inputs, self.forward(inputs), f"priming {t} rows")

@@ -170,7 +170,7 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
         if t == 0:
             return output
         # host-side shapes: no device sync
-        bucket = token_bucket(t, self.config.top_k, self.num_local_experts, self.config.weight_format)
+        bucket = token_bucket(t, self.config.top_k, self.num_local_experts, self.config.weight_format, self.frontends)
         frontend = self.frontends[bucket]
         load_kernel(frontend)
         assert self.act_gscale is not None
@@ -203,7 +203,10 @@ class TokenBucket:
     T * top_k / experts, the average rows of an expert's GEMMs), the knobs it sets over the defaults, and
     the bucket whose knobs serve it where the swap-AB GEMMs cannot tile the shape (``fallback``), and per
     weight format the knobs that differ from ``knobs`` (``format_knobs``) and the bound where it differs
-    from ``max_pairs_per_expert`` (``format_max_pairs``)."""
+    from ``max_pairs_per_expert`` (``format_max_pairs``). In the formats of ``one_wave`` the bucket
+    serves only while its swap-AB FC1 fits one wave of its grid when every pair has an expert of its own
+    (``min(T * top_k, experts)`` busy experts, of which a rank holds its share; one CTA tile per block
+    of rows each)."""
 
     name: str
     knobs: dict[str, Any]
@@ -211,10 +214,19 @@ class TokenBucket:
     fallback: str | None = None
     format_knobs: dict[str, dict[str, Any]] = field(default_factory=dict)
     format_max_pairs: dict[str, float] = field(default_factory=dict)
+    one_wave: tuple[str, ...] = ()
 
-    def serves(self, t: int, top_k: int, num_experts: int, fmt: str | None = None) -> bool:
+    def serves(self, t: int, top_k: int, num_experts: int, fmt: str | None = None, frontend: Any = None) -> bool:
+        """Whether the bucket serves ``t`` tokens; ``frontend`` (this bucket's) for the ``one_wave`` rule,
+        which without it does not apply."""
         bound = self.format_max_pairs.get(fmt, self.max_pairs_per_expert)  # fmt None: the shared bound
-        return bound is None or t * top_k <= bound * num_experts
+        if bound is not None and t * top_k > bound * num_experts:
+            return False
+        if fmt not in self.one_wave or frontend is None:
+            return True
+        busy = math.ceil(min(t * top_k, num_experts) * frontend.local_experts / num_experts)
+        tiles = frontend.fc1_cta_tiles(busy)
+        return tiles is None or tiles <= frontend.knobs.grid  # None: a fallback frontend (no swap-AB)
 
     def knobs_for(self, fmt: str) -> dict[str, Any]:
         """The knobs this bucket sets for weight format ``fmt``."""
@@ -230,12 +242,18 @@ class TokenBucket:
 #:   (one warpgroup of 4 atoms, session 6) at T = 1 equal to 13 % faster on all three contracts in both
 #:   formats; against ``swap16`` at T = 2-8 up to 38 % faster (qwen3-30b-a3b T = 2), 1-5 % slower at
 #:   T = 2 on qwen3-235b-a22b and deepseek-v3, even at 16 on deepseek-v3 (half a pair per expert).
-#:   NVFP4 only up to 1/8 pair per expert (T = 1-2 on qwen3, 1-4 on deepseek-v3), since its ``swap16``
+#:   NVFP4 only up to 1/8 pair per expert and in one FC1 wave (below), since its ``swap16``
 #:   has four warpgroups: session 18 (interleaved A/B, outputs bitwise equal), ``sparse16`` 16-28 % ahead
 #:   at qwen3-30b-a3b T = 2 and 18-31 % at T = 1, ``swap16`` 7-10 % ahead at qwen3-30b-a3b T = 3-4 and
-#:   2-13 % from 1/4 pair per expert on; it would also win qwen3-235b-a22b T = 2 and deepseek-v3 T = 2
-#:   and 4 (12 %), which a bound by pairs per expert cannot tell from qwen3-30b-a3b T = 2 (what differs
-#:   is the number of CTA tiles).
+#:   2-13 % from 1/4 pair per expert on; it also wins qwen3-235b-a22b T = 2 and deepseek-v3 T = 2
+#:   and 4 (12 %), which a bound by pairs per expert cannot tell from qwen3-30b-a3b T = 2. What tells
+#:   them apart is the FC1 wave (``one_wave``): ``sparse16`` wins while its 256-row FC1 tiles fit in
+#:   one wave of 132 CTAs (T = 1: 48 / 96 / 128 tiles on the three contracts; qwen3-30b-a3b T = 2: 96)
+#:   and loses from two waves on (qwen3-30b-a3b T = 3-4: 144 / 192; qwen3-235b-a22b T = 2: 192;
+#:   deepseek-v3 T = 2 / 4: 256 / 512), where ``swap16`` needs half the CTAs (512 rows, 16 warps each).
+#:   Session 19 (interleaved A/B, outputs bitwise equal): the moved points 11-13 % faster, the kept ones
+#:   16-28 % ahead of ``swap16``; NVFP4 ``sparse16`` now serves T = 1-2 on qwen3-30b-a3b, T = 1 on the
+#:   others. MXFP8's ``sparse16`` wins at two waves too (its ``swap16`` has two warpgroups): pairs only.
 #: - ``swap16`` ... ``swap128``: swap-AB (weights dequantized in registers, tokens as WGMMA N) with
 #:   two warpgroups and the token tile that wins at that many pairs per expert. Session 6: 16-token
 #:   tiles beat 32 up to T = 128 on qwen3 (8 pairs per expert). Session 7 run 2 (T = 256 to 16384):
@@ -267,6 +285,7 @@ BUCKETS = (
         max_pairs_per_expert=0.5,
         fallback="decode",
         format_max_pairs={"nvfp4": 0.125},
+        one_wave=("nvfp4",),
     ),
     TokenBucket(
         "swap16",
@@ -276,9 +295,7 @@ BUCKETS = (
         format_knobs={"nvfp4": {"swap_wg": 4, "swap_atoms": 2}},
     ),
     TokenBucket("swap32", {"tile_m": 32, **_GATHER}, max_pairs_per_expert=16, fallback="decode"),
-    TokenBucket(
-        "swap64", {"tile_m": 64, **_GATHER}, 32, "decode", format_knobs={"mxfp8": {"gather_in_fc1": False}}
-    ),
+    TokenBucket("swap64", {"tile_m": 64, **_GATHER}, 32, "decode", format_knobs={"mxfp8": {"gather_in_fc1": False}}),
     TokenBucket("swap128", {"tile_m": 128, **_GATHER}, fallback="prefill"),
 )
 #: bucket knobs of the world-size-1 kernel only (the EP kernels' dispatch moves prepared rows already)
@@ -287,10 +304,13 @@ WORLD1_KNOBS = ("gather_in_fc1",)
 FALLBACKS = {"decode": {"tile_m": 64}, "prefill": {}}
 
 
-def token_bucket(t: int, top_k: int, num_experts: int, fmt: str | None = None) -> str:
+def token_bucket(
+    t: int, top_k: int, num_experts: int, fmt: str | None = None, frontends: dict[str, Any] | None = None
+) -> str:
     """The bucket serving ``t`` tokens routed ``top_k`` ways over ``num_experts`` (host-side shapes), for
-    weight format ``fmt`` (None: the bounds every format shares)."""
-    return next(b.name for b in BUCKETS if b.serves(t, top_k, num_experts, fmt))
+    weight format ``fmt`` (None: the bounds every format shares); ``frontends`` (``bucket_frontends``)
+    for the rules that depend on the kernels' tiles (``TokenBucket.one_wave``)."""
+    return next(b.name for b in BUCKETS if b.serves(t, top_k, num_experts, fmt, (frontends or {}).get(b.name)))
 
 
 #: the drop frontend of each weight format (world size 1, and expert parallel)
@@ -339,12 +359,20 @@ def ep_buckets(world_size: int) -> tuple[TokenBucket, ...]:
     return BUCKETS
 
 
-def ep_token_bucket(rows: int, world_size: int, top_k: int, num_experts: int, fmt: str | None = None) -> str:
+def ep_token_bucket(
+    rows: int,
+    world_size: int,
+    top_k: int,
+    num_experts: int,
+    fmt: str | None = None,
+    frontends: dict[str, Any] | None = None,
+) -> str:
     """The bucket of an EP forward with ``rows`` rows on this rank: the world-size-1 rule at the
     global token count ``world_size * rows`` over the GLOBAL experts (the rows per expert the owners'
-    GEMMs see). Ranks may sit in different buckets; the dispatch is the layer's, so they interoperate."""
-    buckets = ep_buckets(world_size)
-    return next(b.name for b in buckets if b.serves(world_size * rows, top_k, num_experts, fmt))
+    GEMMs see; the FC1 wave of ``one_wave`` over this rank's experts and grid). Ranks may sit in
+    different buckets; the dispatch is the layer's, so they interoperate."""
+    buckets, fes = ep_buckets(world_size), frontends or {}
+    return next(b.name for b in buckets if b.serves(world_size * rows, top_k, num_experts, fmt, fes.get(b.name)))
 
 
 def make_frontend(

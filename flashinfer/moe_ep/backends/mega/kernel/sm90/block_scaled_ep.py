@@ -67,7 +67,8 @@ class Sm90BlockScaledEpBackend(EpRankRuntime, Sm90BlockScaledBackend):
         c = self.config
         # the bucket of the rows given (a host shape; under a graph the captured rows, whatever num_tokens)
         rows = staged.hidden_states.shape[0]
-        frontend = self.frontends[ep_token_bucket(rows, self.world_size, c.top_k, c.num_experts, c.weight_format)]
+        bucket = ep_token_bucket(rows, self.world_size, c.top_k, c.num_experts, c.weight_format, self.frontends)
+        frontend = self.frontends[bucket]
         assert self.act_gscale is not None, "preprocess_weights sets the activation global scales"
         x, x_scale = staged.hidden_states, staged.scales
         if x_scale is None:  # bf16 input: the scale argument is not read
