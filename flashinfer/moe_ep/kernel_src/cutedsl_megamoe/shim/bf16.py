@@ -57,9 +57,7 @@ def widest_tile(n: int, widest: int = 256) -> int:
 def default_bf16_knobs(geometry: Geometry) -> Bf16Knobs:
     """The widest N tiles (256, 128, 64) that divide the problem, with 128-row M tiles: the fastest
     prefill shape measured on the H200 (TUNING.md); other knobs at their defaults."""
-    gated = geometry.activation in kh.constants.GATED_ACTIVATIONS
-    fc1_n = 2 * geometry.intermediate if gated else geometry.intermediate
-    return Bf16Knobs(fc1_tile_n=widest_tile(fc1_n), fc2_tile_n=widest_tile(geometry.hidden))
+    return Bf16Knobs(fc1_tile_n=widest_tile(geometry.fc1_rows), fc2_tile_n=widest_tile(geometry.hidden))
 
 
 def split_fc1_pays(geometry: Geometry, knobs: Bf16Knobs) -> bool:
@@ -80,7 +78,7 @@ class Bf16Frontend(KernelFrontend):
 
     @property
     def gated(self) -> bool:
-        return self.geometry.activation in kh.constants.GATED_ACTIVATIONS
+        return self.geometry.gated
 
     def check_glu_problem(self, local_experts: int) -> None:
         """Rules of every BF16 GLU kernel (world size 1 and EP): activation, sizes, N tiles."""

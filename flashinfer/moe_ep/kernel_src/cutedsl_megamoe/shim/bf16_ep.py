@@ -83,12 +83,10 @@ def default_bf16_ep_knobs(
     if bucket not in EP_BUCKET_DEFAULTS:
         raise ValueError(f"unknown token bucket {bucket!r}; known: {', '.join(EP_BUCKET_DEFAULTS)}")
     tile_m, fc1_widest, fc2_widest, cluster_m, dispatch = EP_BUCKET_DEFAULTS[bucket]
-    gated = geometry.activation in kh.constants.GATED_ACTIVATIONS
-    fc1_n = 2 * geometry.intermediate if gated else geometry.intermediate
     grid = Bf16EpKnobs(world_size, ranks_per_gpu).grid
     base = {
         "tile_m": tile_m,
-        "fc1_tile_n": widest_tile(fc1_n, fc1_widest),
+        "fc1_tile_n": widest_tile(geometry.fc1_rows, fc1_widest),
         "fc2_tile_n": widest_tile(geometry.hidden, fc2_widest),
         "cluster_m": cluster_m if grid % cluster_m == 0 else 1,
         "dispatch": dispatch,

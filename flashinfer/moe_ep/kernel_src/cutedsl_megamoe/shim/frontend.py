@@ -49,6 +49,18 @@ class Geometry:
     # the EP combine wire ("bf16", or "mxfp8": y sent as MXFP8 codes and scales; EP kernels only)
     combine_dtype: str = "bf16"
 
+    @property
+    def gated(self) -> bool:
+        """A GLU activation (gate and up rows in FC1)."""
+        from . import kernel_helpers as kh  # constants only (no cutlass)
+
+        return self.activation in kh.constants.GATED_ACTIVATIONS
+
+    @property
+    def fc1_rows(self) -> int:
+        """Rows of one expert's FC1 weight matrix (FC1's N): 2 * I gated, else I."""
+        return 2 * self.intermediate if self.gated else self.intermediate
+
 
 def dsl_available() -> bool:
     return importlib.util.find_spec("cutlass") is not None
@@ -222,7 +234,7 @@ def check_glu_geometry(
         raise ValueError(f"the {kernel} kernel serves at most {c.MAX_EXPERTS} experts per rank, got {local_experts}")
     if g.hidden % c.TILE_K or g.intermediate % c.TILE_K:
         raise ValueError(f"the {kernel} kernel needs hidden and intermediate sizes that are multiples of {c.TILE_K}")
-    fc1_n = 2 * g.intermediate if g.activation in c.GATED_ACTIVATIONS else g.intermediate
+    fc1_n = g.fc1_rows
     if fc1_n % fc1_tile_n or g.hidden % fc2_tile_n:
         raise ValueError(
             f"FC1 N={fc1_n} must be a multiple of fc1_tile_n={fc1_tile_n} and "

@@ -10,6 +10,7 @@ The token buckets of a layer share that layout; ``swap_ab`` (the swap-AB GEMMs) 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -56,9 +57,7 @@ class QuantKnobs:
 
 
 def default_quant_knobs(geometry: Geometry) -> QuantKnobs:
-    gated = geometry.activation in kh.constants.GATED_ACTIVATIONS
-    fc1_n = 2 * geometry.intermediate if gated else geometry.intermediate
-    return QuantKnobs(fc1_tile_n=widest_tile(fc1_n), fc2_tile_n=widest_tile(geometry.hidden))
+    return QuantKnobs(fc1_tile_n=widest_tile(geometry.fc1_rows), fc2_tile_n=widest_tile(geometry.hidden))
 
 
 @dataclass
@@ -89,26 +88,29 @@ class QuantFrontend(KernelFrontend):
 
     @property
     def gated(self) -> bool:
-        return self.geometry.activation in kh.constants.GATED_ACTIVATIONS
+        return self.geometry.gated
 
     @property
     def local_experts(self) -> int:
         """Experts of this rank (the EP frontend splits ``geometry.num_experts`` over the ranks)."""
         return self.geometry.num_experts
 
-    @property
-    def fc1_rows(self) -> int:
-        """Rows of the FC1 weight matrix of one expert (gate and up: 2 * I)."""
-        return 2 * self.geometry.intermediate if self.gated else self.geometry.intermediate
+    @functools.cached_property
+    def fc1_tiles_per_expert(self) -> int | None:
+        """CTA tiles of the swap-AB FC1 over one expert's rows (None without ``swap_ab``): its CTAs cover
+        ``64 * atoms * warpgroups`` weight rows (``swap_tile_plan``). Cached: the bucket choice reads it
+        per forward."""
+        k, rows = self.knobs, self.geometry.fc1_rows
+        if not k.swap_ab:
+            return None
+        atoms, wg = kh.swap_tile_plan(rows, self.gated, k.tile_m, k.swap_wg, k.swap_atoms)
+        return rows // (64 * atoms * wg)
 
     def fc1_cta_tiles(self, busy_experts: int) -> int | None:
         """CTA tiles of the swap-AB FC1 when ``busy_experts`` experts hold one token tile each (None
-        without ``swap_ab``): its CTAs cover ``64 * atoms * warpgroups`` weight rows (``swap_tile_plan``)."""
-        k = self.knobs
-        if not k.swap_ab:
-            return None
-        atoms, wg = kh.swap_tile_plan(self.fc1_rows, self.gated, k.tile_m, k.swap_wg, k.swap_atoms)
-        return busy_experts * (self.fc1_rows // (64 * atoms * wg))
+        without ``swap_ab``)."""
+        per = self.fc1_tiles_per_expert
+        return None if per is None else busy_experts * per
 
     def check(self) -> None:
         k = self.knobs
@@ -126,7 +128,7 @@ class QuantFrontend(KernelFrontend):
                 raise ValueError(f"with swap_ab, tile_m must be one of {tiles} for {self.fmt}, got {k.tile_m}")
             if self.gated and k.fc1_tile_n != 256:
                 raise ValueError(f"swap_ab needs gate/up rows interleaved per 256 (fc1_tile_n=256), got {k.fc1_tile_n}")
-            kh.swap_tile_plan(self.fc1_rows, self.gated, k.tile_m, k.swap_wg, k.swap_atoms)
+            kh.swap_tile_plan(self.geometry.fc1_rows, self.gated, k.tile_m, k.swap_wg, k.swap_atoms)
             kh.swap_tile_plan(self.geometry.hidden, False, k.tile_m, k.swap_wg, k.swap_atoms)
         elif k.tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128 for the {self.fmt} kernel, got {k.tile_m}")
