@@ -157,6 +157,17 @@ def moe_bf16_workspace_spec(
     ]
 
 
+def swap_split_workspace(num_sms: int, tok_tile: int, split_k: int) -> tuple[int, int]:
+    """(fp32 partial accumulators, int32 counters) of the swap-AB GEMMs' split K (one element each
+    without it): a split runs in one wave, so at most ``num_sms`` work units hold partials of
+    ``SWAP_MAX_CTA_ROWS x tok_tile`` at most, and at most ``num_sms / 2`` tiles count their parts."""
+    if split_k not in constants.SWAP_SPLIT_FACTORS:
+        raise ValueError(f"split_k must be one of {constants.SWAP_SPLIT_FACTORS}, got {split_k}")
+    if split_k == 1:
+        return 1, 1
+    return num_sms * constants.SWAP_MAX_CTA_ROWS * tok_tile, num_sms // 2 * constants.SWAP_SPLIT_COUNTERS
+
+
 def moe_quant_workspace_spec(
     max_tokens: int,
     hidden: int,
@@ -166,6 +177,7 @@ def moe_quant_workspace_spec(
     tile_m: int,
     num_sms: int = 132,
     gather_in_fc1: bool = False,
+    split_k: int = 1,
 ) -> list[BufferSpec]:
     """Workspace buffers of ``moe_quant_glu.Sm90MegaMoEQuantKernel.__call__``, in call order: those of
     ``moe_bf16_workspace_spec`` (``cluster_m`` 1; ``a_buf`` holds the row -> token map with
@@ -173,7 +185,16 @@ def moe_quant_workspace_spec(
 
     - x_rows [max_tokens, H] bf16: with ``gather_in_fc1`` each token's prepared activation row (FC1
       gathers from it); otherwise one row, not read
+    - split_ws fp32: the partial accumulators of the swap-AB split K (``swap_split_workspace``; one
+      element without ``split_k``)
+    - split_count int32: ZERO-INITIALIZED ONCE; the split-K part counters (every call leaves them zero)
     """
     spec = moe_bf16_workspace_spec(max_tokens, hidden, inter, num_experts, top_k, tile_m, num_sms, 1)
     rows = max(1, max_tokens) if gather_in_fc1 else 1
-    return [*spec, BufferSpec("x_rows", (rows, hidden), "bfloat16")]
+    partials, counters = swap_split_workspace(num_sms, tile_m, split_k)
+    return [
+        *spec,
+        BufferSpec("x_rows", (rows, hidden), "bfloat16"),
+        BufferSpec("split_ws", (partials,), "float32"),
+        BufferSpec("split_count", (counters,), "int32"),
+    ]

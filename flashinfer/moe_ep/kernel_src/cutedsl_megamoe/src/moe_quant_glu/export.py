@@ -4,7 +4,8 @@ Same recipe and calling convention style as ``moe_bf16_glu.export``; argument or
 
     fn(x, x_scale, topk_ids, topk_weights, w13_data, w13_scale, w2_data, w2_scale, w13_gscale, w2_gscale,
        act_gscale, out,
-       pair_row, pair_rank, expert_count, cta_base, expert_off, m_block_expert, meta, a_buf, h_buf, x_rows)
+       pair_row, pair_rank, expert_count, cta_base, expert_off, m_block_expert, meta, a_buf, h_buf, x_rows,
+       split_ws, split_count)
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def fake_arguments(kernel: Sm90MegaMoEQuantKernel, hidden: int, inter: int, num_
         mat(bf16, (m_cap, hidden)),
         mat(bf16, (cute.sym_int(), inter)),
         mat(bf16, (cute.sym_int(), hidden)),  # x_rows
+        mat(cutlass.Float32, (cute.sym_int(),)),  # split_ws
+        mat(i32, (cute.sym_int(),)),  # split_count
         make_fake_stream(use_tvm_ffi_env_stream=True),
     ]
 

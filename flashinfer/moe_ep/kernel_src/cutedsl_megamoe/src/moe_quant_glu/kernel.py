@@ -49,6 +49,10 @@ class Sm90MegaMoEQuantKernel:
     :param swap_stagger: K tiles the second consumer warpgroup of a swap-AB CTA starts behind the first
         (0: in lock step; at most half the ring), so one's epilogue overlaps the other's WGMMAs.
     :param num_sms, fc1_stages, fc2_stages, use_pdl, aux_vpt: as the BF16 kernel.
+    :param swap_split_k: (``swap_ab`` only) K parts per CTA tile of the swap-AB GEMMs at most (1, 2,
+        4): where that many parts of every tile fit one wave of the grid (few tokens), each part runs
+        on its own CTA and the last sums them (``swap_gemm`` split K; workspaces ``split_ws`` and
+        ``split_count``).
     :param gather_in_fc1: (``swap_ab`` only) each token's activation row is prepared once into
         ``x_rows`` and FC1 loads its token columns from there through the row map, instead of a
         prepared copy per pair in ``a_buf`` (T rows written instead of T * top_k).
@@ -78,6 +82,7 @@ class Sm90MegaMoEQuantKernel:
         swap_atoms: int = 4,
         swap_stagger: int = 0,
         gather_in_fc1: bool = False,
+        swap_split_k: int = 1,
     ) -> None:
         if fmt not in constants.QUANT_FORMATS:
             raise ValueError(f"unknown format {fmt!r}")
@@ -89,6 +94,9 @@ class Sm90MegaMoEQuantKernel:
             raise ValueError(f"tile_m must be 64 or 128, got {tile_m}")
         if gather_in_fc1 and not swap_ab:
             raise ValueError("gather_in_fc1 needs the swap-AB GEMMs (swap_ab=True)")
+        if swap_split_k != 1 and not swap_ab:
+            raise ValueError("swap_split_k needs the swap-AB GEMMs (swap_ab=True)")
+        self.swap_split_k = swap_split_k
         self.gather_in_fc1 = gather_in_fc1
         self.swap_ab = swap_ab
         self.prequantized = prequantized
@@ -103,7 +111,7 @@ class Sm90MegaMoEQuantKernel:
         self.aux_vpt = aux_vpt
         self.fc1, self.fc2 = quant_gemms(
             fmt, tile_m, fc1_tile_n, fc2_tile_n, activation, limit, num_sms, fc1_stages, fc2_stages, swap_ab, swap_wg,
-            probe, bf_buffers, swap_atoms, swap_stagger, gather_in_fc1,
+            probe, bf_buffers, swap_atoms, swap_stagger, gather_in_fc1, swap_split_k,
         )  # fmt: skip
 
     @cute.jit
@@ -131,6 +139,8 @@ class Sm90MegaMoEQuantKernel:
         a_buf: cute.Tensor,
         h_buf: cute.Tensor,
         x_rows: cute.Tensor,  # [T_cap, H] bf16: the prepared token rows (gather_in_fc1; else unused)
+        split_ws: cute.Tensor,  # fp32: swap-AB split-K partials (swap_split_k > 1; else unused)
+        split_count: cute.Tensor,  # int32: their counters, zero between calls
         stream,
     ):
         num_experts = w13.shape[0]
@@ -176,10 +186,13 @@ class Sm90MegaMoEQuantKernel:
             )  # fmt: skip
         gather.launch(grid=[gather_ctas, 1, 1], block=[self.aux_threads, 1, 1], stream=stream, use_pdl=pdl)
         fc1_rows = {"x_rows": x_rows, "row_token": row_token} if self.gather_in_fc1 else {}
+        # FC1 and FC2 share the split-K workspaces: FC2 waits for FC1's end (griddepcontrol) before its loop.
+        split = {"split_ws": split_ws, "split_count": split_count} if self.swap_split_k > 1 else {}
         self.fc1.launch(
-            a_buf, w13, w13_scale, h_buf, m_block_expert, meta, w13_gscale, act_gscale, stream, pdl, **fc1_rows
-        )
-        self.fc2.launch(h_buf, w2, w2_scale, a_buf, m_block_expert, meta, w2_gscale, act_gscale, stream, pdl)
+            a_buf, w13, w13_scale, h_buf, m_block_expert, meta, w13_gscale, act_gscale, stream, pdl,
+            **fc1_rows, **split,
+        )  # fmt: skip
+        self.fc2.launch(h_buf, w2, w2_scale, a_buf, m_block_expert, meta, w2_gscale, act_gscale, stream, pdl, **split)
         aux_kernels.combine_kernel(a_buf, pair_row, topk_weights, out, topk_ids.shape[1], self.aux_vpt).launch(
             grid=[combine_ctas, 1, 1], block=[self.aux_threads, 1, 1], stream=stream, use_pdl=pdl
         )
@@ -202,13 +215,15 @@ def quant_gemms(
     swap_atoms: int = 4,
     swap_stagger: int = 0,
     gather_in_fc1: bool = False,
+    swap_split_k: int = 1,
 ) -> tuple:
     """FC1 (the activation and the requantization to the FC2 input format in its epilogue) and FC2 of the
     block-scaled kernels (world size 1 and EP): the swap-AB GEMMs (weights dequantized in registers,
     ``tile_m`` tokens as N) or the shared-memory-dequantization ones (``tile_m``-row M tiles).
-    ``gather_in_fc1``: the swap-AB FC1 loads its token rows itself (``SwapDequantGemmSm90(gather_b=True)``)."""
+    ``gather_in_fc1``: the swap-AB FC1 loads its token rows itself (``SwapDequantGemmSm90(gather_b=True)``);
+    ``swap_split_k``: their split K (``SwapDequantGemmSm90(split_k=...)``)."""
     if swap_ab:
-        swap = {"max_wg": swap_wg, "max_atoms": swap_atoms, "stagger": swap_stagger}
+        swap = {"max_wg": swap_wg, "max_atoms": swap_atoms, "stagger": swap_stagger, "split_k": swap_split_k}
         fc1 = SwapDequantGemmSm90(
             fmt, tile_m, activation, limit, grid, fc1_stages, requant=True, gather_b=gather_in_fc1, **swap
         )

@@ -31,6 +31,16 @@ tokens per expert at decode, where the time is the weight stream; 64 and 128 for
   same moments), not at prefill, where the epilogue competes for those slots rather than leaving
   tensor-core time to fill.
 
+Split K (``split_k`` 2 or 4): at decode the CTA tiles (weight rows x one token tile) are fewer than
+the SMs, and each CTA's serial K loop, not the weight bytes, bounds the GEMM (TUNING.md, session 19).
+When ``s * tiles`` fits the grid (checked at run time, s = ``split_k`` or 2), each tile is cut into s
+K ranges, one per CTA. Every part stores its fp32 accumulators to ``split_ws`` (slot = work unit,
+at most one per CTA: the split only runs in one wave), then counts itself in ``split_count`` (one
+counter per tile and warpgroup); the last to arrive sums the s parts in part order (so the result
+does not depend on which part finishes last), zeroes the counter for the next call and runs the
+epilogue. No CTA waits for another, so no co-scheduling is assumed. Otherwise the tile runs whole,
+as without the knob.
+
 Which weight rows a thread holds is free (``ldmatrix`` takes a row address per lane), so the
 tiling uses the packed layout of the prefill kernel unchanged and picks rows for the epilogue:
 
@@ -66,7 +76,7 @@ from ..src import block_quant as bq
 from .dequant_gemm import box_inner, packed_view, ring_state
 
 EPI_PLAIN = "plain"
-STAGGER_BARRIER = 3  # named barrier of the consumer stagger (1 + wg: the requantization amax exchange)
+STAGGER_BARRIER = 3  # named barrier of the consumer stagger (1 + wg: the amax exchange and the split-K count)
 
 
 class SwapDequantGemmSm90:
@@ -86,6 +96,7 @@ class SwapDequantGemmSm90:
         max_atoms: int = 4,
         stagger: int = 0,
         gather_b: bool = False,
+        split_k: int = 1,
     ) -> None:
         if fmt not in constants.QUANT_FORMATS:
             raise ValueError(f"unknown format {fmt!r}")
@@ -106,6 +117,9 @@ class SwapDequantGemmSm90:
             raise ValueError(f"stagger must be >= 0 K tiles, got {stagger}")
         self.stagger_request = stagger
         self.gather_b = gather_b
+        if split_k not in constants.SWAP_SPLIT_FACTORS:
+            raise ValueError(f"split_k must be one of {constants.SWAP_SPLIT_FACTORS}, got {split_k}")
+        self.split_k = split_k
         self.tile_k = constants.TILE_K
         self.data_bytes = constants.QUANT_DATA_BYTES[fmt]
         self.scales_per_tile = constants.QUANT_SCALES_PER_TILE[fmt]
@@ -175,10 +189,19 @@ class SwapDequantGemmSm90:
         use_pdl: bool = False,
         x_rows: cute.Tensor | None = None,
         row_token: cute.Tensor | None = None,
+        split_ws: cute.Tensor | None = None,
+        split_count: cute.Tensor | None = None,
     ) -> None:
         """Trace-time: TMA descriptors, then the persistent kernel on ``stream``. With ``gather_b``,
         ``act`` only sets the operand type: the B rows come from ``x_rows`` [T, K] through ``row_token``
-        [M_cap] int32 (no TMA descriptor over ``x_rows``: T may be 0)."""
+        [M_cap] int32 (no TMA descriptor over ``x_rows``: T may be 0). With ``split_k`` > 1:
+        ``split_ws`` fp32 and ``split_count`` int32 as ``common.host_utils.swap_split_workspace`` sizes
+        them (``split_count`` zero before the first call; every call leaves it zero)."""
+        if cutlass.const_expr(self.split_k > 1):
+            if split_ws is None or split_count is None:
+                raise ValueError("split_k > 1 needs the split_ws and split_count workspaces")
+        else:
+            split_ws, split_count = c, meta  # unused placeholders
         self._setup(w_data.shape[2])
         data_one = cute.slice_(self.data_smem_layout, (None, None, 0))
         scale_one = cute.slice_(self.scale_smem_layout, (None, None, 0))
@@ -206,6 +229,8 @@ class SwapDequantGemmSm90:
             sData: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cute.cosize(self.data_smem_layout)], 1024]
             sScale: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cute.cosize(self.scale_smem_layout)], 128]
             sAmax: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.size(self.amax_shape)], 16]
+            # the split-K count, per consumer warpgroup
+            sSplit: cute.struct.MemRange[cutlass.Int32, constants.SWAP_SPLIT_COUNTERS]
 
         self.shared_storage = SharedStorage
         self.kernel(
@@ -220,6 +245,8 @@ class SwapDequantGemmSm90:
             meta,
             x_rows,
             row_token,
+            split_ws,
+            split_count,
             w_gscale,
             act_gscale,
             self.tiled_mma,
@@ -249,6 +276,8 @@ class SwapDequantGemmSm90:
         meta: cute.Tensor,
         mX: cute.Tensor,
         row_token: cute.Tensor,
+        split_ws: cute.Tensor,
+        split_count: cute.Tensor,
         w_gscale: cute.Tensor,
         act_gscale: cute.Tensor,
         tiled_mma: cute.TiledMma,
@@ -308,6 +337,8 @@ class SwapDequantGemmSm90:
         cute.arch.griddepcontrol_launch_dependents()
         cute.arch.griddepcontrol_wait()
         num_tiles = meta[0] * n_tiles
+        splits = self._splits(num_tiles, grid_x, k_tiles)
+        num_units = num_tiles * splits  # work units: (tile, K part)
 
         if wg_idx == 0:
             # ------------------------------------------------------------ producer warpgroup
@@ -315,16 +346,15 @@ class SwapDequantGemmSm90:
             if cutlass.const_expr(self.gather_b):
                 self._gather_producer(
                     ab_pipe, tma_w, tWgW, tWsW, tma_s, tSgS, tSsS, storage, mX, row_token, m_block_expert,
-                    num_tiles, n_tiles, k_tiles, tidx, warp_idx, bidx, grid_x,
+                    num_units, splits, n_tiles, k_tiles, tidx, warp_idx, bidx, grid_x,
                 )  # fmt: skip
             elif warp_idx == 0:
                 prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-                tile = bidx
-                while tile < num_tiles:
-                    m_blk = tile // n_tiles
-                    n_blk = tile - m_blk * n_tiles
+                unit = bidx
+                while unit < num_units:
+                    _tile, m_blk, n_blk, k0, kn = self._unit(unit, splits, n_tiles, k_tiles)
                     expert = m_block_expert[m_blk] & 0xFFFF
-                    for k in cutlass.range(k_tiles, unroll=1):
+                    for k in cutlass.range(k0, k0 + kn, unroll=1):
                         ab_pipe.producer_acquire(prod_state)
                         bar = ab_pipe.producer_get_barrier(prod_state)
                         stage = prod_state.index
@@ -333,7 +363,7 @@ class SwapDequantGemmSm90:
                         cute.copy(tma_b, tBgB[(None, m_blk, k)], tBsB[(None, stage)], tma_bar_ptr=bar)
                         ab_pipe.producer_commit(prod_state)
                         prod_state.advance()
-                    tile += grid_x
+                    unit += grid_x
                 ab_pipe.producer_tail(prod_state)
         else:
             # ------------------------------------------------------------ consumer warpgroups
@@ -354,19 +384,18 @@ class SwapDequantGemmSm90:
             offsets = self._lane_offsets(wg, warp, lane)
             consumed = cutlass.Int32(0)  # K tiles taken from the ring so far
             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-            lag = min(self.stagger, k_tiles)
+            lag = min(self.stagger, k_tiles // self.split_k)  # a K part is k_tiles // split_k tiles at least
             if cutlass.const_expr(lag > 0):
                 if wg == 1:
-                    if bidx < num_tiles:  # start `lag` K tiles behind the first warpgroup
+                    if bidx < num_units:  # start `lag` K tiles behind the first warpgroup
                         cute.arch.barrier(barrier_id=STAGGER_BARRIER, number_of_threads=2 * self.threads_per_wg)
-            tile = bidx
-            while tile < num_tiles:
-                m_blk = tile // n_tiles
-                n_blk = tile - m_blk * n_tiles
+            unit = bidx
+            while unit < num_units:
+                tile, m_blk, n_blk, _k0, kn = self._unit(unit, splits, n_tiles, k_tiles)
                 expert = m_block_expert[m_blk] & 0xFFFF
                 acc.fill(0.0)
                 # Two fragments alternate (registers are not indexable at run time): K tiles in pairs.
-                for k2 in cutlass.range(k_tiles // 2, unroll=1):
+                for k2 in cutlass.range(kn // 2, unroll=1):
                     for par in cutlass.range_constexpr(2):
                         n = consumed + 2 * k2 + par
                         self._k_step(
@@ -375,16 +404,24 @@ class SwapDequantGemmSm90:
                         if n > 0:  # WGMMA n-1 is done: free its stage (the previous tile's last, at k = 0)
                             ab_pipe.consumer_release(self._ring_state(n - 1))
                         self._stagger_release(lag, n, wg)
-                if cutlass.const_expr(k_tiles % 2 == 1):
-                    n = consumed + k_tiles - 1
-                    self._k_step(ab_pipe, n, tiled_mma, acc, frags[0], words[0], tCrB, data_base, scale_base, offsets)
-                    if n > 0:
-                        ab_pipe.consumer_release(self._ring_state(n - 1))
-                    self._stagger_release(lag, n, wg)
+                if cutlass.const_expr(self.split_k == 1):
+                    if cutlass.const_expr(k_tiles % 2 == 1):
+                        self._last_odd_step(ab_pipe, consumed + kn - 1, lag, wg, tiled_mma, acc, frags, words, tCrB,
+                                            data_base, scale_base, offsets)  # fmt: skip
+                elif kn % 2 == 1:
+                    self._last_odd_step(ab_pipe, consumed + kn - 1, lag, wg, tiled_mma, acc, frags, words, tCrB,
+                                        data_base, scale_base, offsets)  # fmt: skip
                 warpgroup.wait_group(0)  # the tile's last stage is freed by the next tile's first step
-                consumed += k_tiles
-                self._epilogue(acc, mC, m_blk, n_blk, wg, warp, lane, expert, w_gscale, act_gscale, sAmax)
-                tile += grid_x
+                consumed += kn
+                if cutlass.const_expr(self.split_k > 1):
+                    finish = cutlass.Boolean(True)
+                    if splits > 1:
+                        finish = self._split_reduce(acc, split_ws, split_count, storage, unit, tile, splits, wg, ctid)
+                    if finish:
+                        self._epilogue(acc, mC, m_blk, n_blk, wg, warp, lane, expert, w_gscale, act_gscale, sAmax)
+                else:
+                    self._epilogue(acc, mC, m_blk, n_blk, wg, warp, lane, expert, w_gscale, act_gscale, sAmax)
+                unit += grid_x
             if consumed > 0:
                 ab_pipe.consumer_release(self._ring_state(consumed - 1))
 
@@ -392,9 +429,79 @@ class SwapDequantGemmSm90:
         return ring_state(self.ab_stages, n)
 
     @cute.jit
+    def _last_odd_step(self, ab_pipe, n, lag, wg, tiled_mma, acc, frags, words, tCrB, data_base, scale_base, offsets):
+        """The last K tile of an odd count (fragment 0)."""
+        self._k_step(ab_pipe, n, tiled_mma, acc, frags[0], words[0], tCrB, data_base, scale_base, offsets)
+        if n > 0:
+            ab_pipe.consumer_release(self._ring_state(n - 1))
+        self._stagger_release(lag, n, wg)
+
+    def _splits(self, num_tiles, grid_x, k_tiles: int):
+        """K parts per tile of this call: the largest of 2 .. ``split_k`` (and at most ``k_tiles``) whose
+        work units fit one wave of the grid, else 1 (the same in every thread: it depends on the grid
+        and ``meta`` only)."""
+        if cutlass.const_expr(self.split_k == 1):
+            return 1
+        splits = cutlass.Int32(1)
+        for s in constants.SWAP_SPLIT_FACTORS:
+            if s > 1 and s <= min(self.split_k, k_tiles):
+                splits = cutlass.select_(s * num_tiles <= grid_x, cutlass.Int32(s), splits)
+        return splits
+
+    def _unit(self, unit, splits, n_tiles, k_tiles):
+        """Work unit -> (tile, M block, N block, first K tile, K tiles): part p of s takes K tiles
+        ``[p * k_tiles // s, (p + 1) * k_tiles // s)``."""
+        if cutlass.const_expr(self.split_k == 1):
+            tile = unit
+            k0, kn = 0, k_tiles
+        else:
+            tile = unit // splits
+            part = unit - tile * splits
+            k0 = part * k_tiles // splits
+            kn = (part + 1) * k_tiles // splits - k0
+        m_blk = tile // n_tiles
+        return tile, m_blk, tile - m_blk * n_tiles, k0, kn
+
+    @cute.jit
+    def _split_reduce(self, acc, split_ws, split_count, storage, unit, tile, splits, wg, ctid) -> cutlass.Boolean:
+        """Split K: store this part's accumulators (slot = ``unit``, coalesced: element i of thread t at
+        ``i * 128 + t``), count the part in, and if it is the last of the tile's ``splits`` parts, sum the
+        parts in part order into ``acc`` and zero the counter. Returns whether this warpgroup goes on to
+        the epilogue. One named barrier of the warpgroup orders the stores before the count; a second
+        shares the count."""
+        n_acc = cute.size(acc)
+        per_wg = n_acc * self.threads_per_wg
+        ws = split_ws.iterator
+        mine = (unit * self.num_wg + wg) * per_wg + ctid
+        for i in cutlass.range_constexpr(n_acc):
+            cute.arch.store((ws + mine + i * self.threads_per_wg).llvm_ptr, cutlass.Float32(acc[i]), cop="cg")
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier(barrier_id=1 + wg, number_of_threads=self.threads_per_wg)
+        flag = storage.sSplit.get_tensor(cute.make_layout(constants.SWAP_SPLIT_COUNTERS))
+        counter = (split_count.iterator + tile * constants.SWAP_SPLIT_COUNTERS + wg).llvm_ptr
+        if ctid == 0:
+            flag[wg] = cute.arch.atomic_add(counter, cutlass.Int32(1), sem="acq_rel", scope="gpu")
+        cute.arch.barrier(barrier_id=1 + wg, number_of_threads=self.threads_per_wg)
+        last = flag[wg] == splits - 1
+        if last:
+            cute.arch.fence_acq_rel_gpu()
+            if ctid == 0:
+                cute.arch.store(counter, cutlass.Int32(0))
+            first = (tile * splits * self.num_wg + wg) * per_wg + ctid
+            step = self.num_wg * per_wg  # from one part's slot to the next
+            for i in cutlass.range_constexpr(n_acc):
+                v = cute.arch.load((ws + first + i * self.threads_per_wg).llvm_ptr, cutlass.Float32, cop="cg")
+                for p in cutlass.range_constexpr(1, self.split_k):
+                    if p < splits:
+                        addr = ws + first + p * step + i * self.threads_per_wg
+                        v = v + cute.arch.load(addr.llvm_ptr, cutlass.Float32, cop="cg")
+                acc[i] = v
+        return last
+
+    @cute.jit
     def _gather_producer(
         self, ab_pipe, tma_w, tWgW, tWsW, tma_s, tSgS, tSsS, storage, mX, row_token, m_block_expert,
-        num_tiles, n_tiles, k_tiles, tidx, warp_idx, bidx, grid_x,
+        num_units, splits, n_tiles, k_tiles, tidx, warp_idx, bidx, grid_x,
     ) -> None:  # fmt: skip
         """``gather_b``: warp 0 loads the weight data and scales (TMA), all four warps the token rows
         (``cp.async``). Eight consecutive threads take the eight 16-byte chunks of a row's K tile; thread
@@ -409,10 +516,9 @@ class SwapDequantGemmSm90:
         stage_bytes = self.tok_tile * self.tile_k * 2
         k_bytes = self.tile_k * 2
         prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-        tile = bidx
-        while tile < num_tiles:
-            m_blk = tile // n_tiles
-            n_blk = tile - m_blk * n_tiles
+        unit = bidx
+        while unit < num_units:
+            _tile, m_blk, n_blk, k0, kn = self._unit(unit, splits, n_tiles, k_tiles)
             expert = m_block_expert[m_blk] & 0xFFFF
             valid_rows = m_block_expert[m_blk] >> 16
             tok = []  # the token of each of this thread's columns (-1: padding, not loaded)
@@ -421,7 +527,7 @@ class SwapDequantGemmSm90:
                 if group + 16 * j < valid_rows:
                     t = row_token[m_blk * self.tok_tile + group + 16 * j]
                 tok.append(t)
-            for k in cutlass.range(k_tiles, unroll=1):
+            for k in cutlass.range(k0, k0 + kn, unroll=1):
                 ab_pipe.sync_object_empty.wait(prod_state.index, prod_state.phase)
                 if warp_idx == 0:
                     ab_pipe.producer_acquire(prod_state)
@@ -436,7 +542,7 @@ class SwapDequantGemmSm90:
                         cp_async_16(dst + j * 16 * 128, x_base + cutlass.Int64(tok[j]) * row_bytes + col)
                 cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipe.producer_get_barrier(prod_state))
                 prod_state.advance()
-            tile += grid_x
+            unit += grid_x
         if warp_idx == 0:
             ab_pipe.producer_tail(prod_state)
 
