@@ -64,4 +64,7 @@ SWAP_GATE_UP_BLOCK = 256
 # or 2 x 4, of 64 rows), which bounds the partial accumulators of one work unit.
 SWAP_SPLIT_FACTORS = (1, 2, 4)
 SWAP_SPLIT_COUNTERS = 4
+# The fewest K tiles a split-K part holds: shorter parts do not pay for the partials' round trip
+# (TUNING.md, session 20: qwen3-30b-a3b T = 1, parts of 16 K tiles 2.7 us faster, of 6 K tiles 0.6 us slower).
+SWAP_SPLIT_MIN_K_TILES = 16
 SWAP_MAX_CTA_ROWS = 512

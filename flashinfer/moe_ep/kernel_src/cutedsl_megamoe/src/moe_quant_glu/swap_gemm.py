@@ -33,13 +33,18 @@ tokens per expert at decode, where the time is the weight stream; 64 and 128 for
 
 Split K (``split_k`` 2 or 4): at decode the CTA tiles (weight rows x one token tile) are fewer than
 the SMs, and each CTA's serial K loop, not the weight bytes, bounds the GEMM (TUNING.md, session 19).
-When ``s * tiles`` fits the grid (checked at run time, s = ``split_k`` or 2), each tile is cut into s
-K ranges, one per CTA. Every part stores its fp32 accumulators to ``split_ws`` (slot = work unit,
-at most one per CTA: the split only runs in one wave), then counts itself in ``split_count`` (one
-counter per tile and warpgroup); the last to arrive sums the s parts in part order (so the result
-does not depend on which part finishes last), zeroes the counter for the next call and runs the
-epilogue. No CTA waits for another, so no co-scheduling is assumed. Otherwise the tile runs whole,
-as without the knob.
+When ``s * tiles`` fits the grid (checked at run time, s = ``split_k`` or 2) and each part keeps
+``SWAP_SPLIT_MIN_K_TILES`` K tiles (checked at trace time), each tile is cut into s K ranges, one per
+CTA. Every part stores its fp32 accumulators to ``split_ws`` (slot = work unit, at most one per CTA:
+the split only runs in one wave), then counts itself in ``split_count`` (one counter per tile and
+warpgroup); the last to arrive sums the s parts in part order (so the result does not depend on
+which part finishes last), zeroes the counter for the next call and runs the epilogue. No CTA waits
+for another, so no co-scheduling is assumed. Otherwise the tile runs whole, as without the knob.
+
+The epilogue runs per group of 8 token columns, and only for groups that hold a real row of the M
+block (``m_block_expert``'s row count): at decode a 16-token tile holds one or a few tokens, so the
+activation, requantization and stores of its padding columns are skipped (their outputs are never
+read: FC2's padding columns, like ``gather_b``'s, see stale rows, which no real column mixes with).
 
 Which weight rows a thread holds is free (``ldmatrix`` takes a row address per lane), so the
 tiling uses the packed layout of the prefill kernel unchanged and picks rows for the epilogue:
@@ -392,7 +397,10 @@ class SwapDequantGemmSm90:
             unit = bidx
             while unit < num_units:
                 tile, m_blk, n_blk, _k0, kn = self._unit(unit, splits, n_tiles, k_tiles)
-                expert = m_block_expert[m_blk] & 0xFFFF
+                block = m_block_expert[m_blk]
+                expert = block & 0xFFFF
+                valid_rows = block >> 16
+                alpha = self._alpha(expert, w_gscale, act_gscale)  # loaded before the K loop: off the epilogue's path
                 acc.fill(0.0)
                 # Two fragments alternate (registers are not indexable at run time): K tiles in pairs.
                 for k2 in cutlass.range(kn // 2, unroll=1):
@@ -418,9 +426,9 @@ class SwapDequantGemmSm90:
                     if splits > 1:
                         finish = self._split_reduce(acc, split_ws, split_count, storage, unit, tile, splits, wg, ctid)
                     if finish:
-                        self._epilogue(acc, mC, m_blk, n_blk, wg, warp, lane, expert, w_gscale, act_gscale, sAmax)
+                        self._epilogue(acc, mC, m_blk, n_blk, wg, warp, lane, valid_rows, alpha, act_gscale, sAmax)
                 else:
-                    self._epilogue(acc, mC, m_blk, n_blk, wg, warp, lane, expert, w_gscale, act_gscale, sAmax)
+                    self._epilogue(acc, mC, m_blk, n_blk, wg, warp, lane, valid_rows, alpha, act_gscale, sAmax)
                 unit += grid_x
             if consumed > 0:
                 ab_pipe.consumer_release(self._ring_state(consumed - 1))
@@ -437,14 +445,14 @@ class SwapDequantGemmSm90:
         self._stagger_release(lag, n, wg)
 
     def _splits(self, num_tiles, grid_x, k_tiles: int):
-        """K parts per tile of this call: the largest of 2 .. ``split_k`` (and at most ``k_tiles``) whose
-        work units fit one wave of the grid, else 1 (the same in every thread: it depends on the grid
-        and ``meta`` only)."""
+        """K parts per tile of this call: the largest of 2 .. ``split_k`` whose parts keep
+        ``SWAP_SPLIT_MIN_K_TILES`` K tiles and whose work units fit one wave of the grid, else 1 (the
+        same in every thread: it depends on the grid and ``meta`` only)."""
         if cutlass.const_expr(self.split_k == 1):
             return 1
         splits = cutlass.Int32(1)
         for s in constants.SWAP_SPLIT_FACTORS:
-            if s > 1 and s <= min(self.split_k, k_tiles):
+            if s > 1 and s <= self.split_k and k_tiles // s >= constants.SWAP_SPLIT_MIN_K_TILES:
                 splits = cutlass.select_(s * num_tiles <= grid_x, cutlass.Int32(s), splits)
         return splits
 
@@ -631,60 +639,72 @@ class SwapDequantGemmSm90:
                     for byte in range(4):  # byte = (K16 block 2s + byte // 2, K pair v2 = byte % 2)
                         frag_words[((0, h, byte % 2), a, 2 * s + byte // 2)] = out[byte]
 
-    def _epilogue(self, acc, mC, m_blk, n_blk, wg, warp, lane, expert, w_gscale, act_gscale, sAmax) -> None:
-        """Accumulator -> activation -> (requantization) -> bf16 stores.
+    def _alpha(self, expert, w_gscale: cute.Tensor, act_gscale: cute.Tensor):
+        """The accumulator's scale for ``expert``: NVFP4 the two global scales (loaded), MXFP8 a constant."""
+        if cutlass.const_expr(self.fmt == constants.FMT_NVFP4):
+            return act_gscale[self.gscale_index] * w_gscale[expert] * bq.NVFP4_ACC_SCALE
+        return cutlass.Float32(bq.MXFP8_ACC_SCALE)
+
+    @cute.jit
+    def _epilogue(self, acc, mC, m_blk, n_blk, wg, warp, lane, valid_rows, alpha, act_gscale, sAmax) -> None:
+        """Accumulator -> activation -> (requantization) -> bf16 stores, for each group of 8 token columns
+        that holds a real row (``valid_rows`` of the M block: the same in every thread of the CTA, so
+        the amax exchange's named barriers stay collective).
 
         Accumulator mode 0 is ((2, 2, tok/8)): v0 = column pair, v1 = row half h, j = column group;
         mode 1 is the atom. Column (token) ``8j + 2q + v0`` with q = lane % 4; lane row i = lane // 4."""
-        if cutlass.const_expr(self.fmt == constants.FMT_NVFP4):
-            alpha = act_gscale[self.gscale_index] * w_gscale[expert] * bq.NVFP4_ACC_SCALE
-        else:
-            alpha = cutlass.Float32(bq.MXFP8_ACC_SCALE)
-        for i in range(cute.size(acc)):
-            acc[i] = acc[i] * alpha
+        pair = cute.make_rmem_tensor((1, 2), cutlass.BFloat16)
+        pair_f32 = cute.make_rmem_tensor((1, 2), cutlass.Float32)
+        for j in cutlass.range_constexpr(self.tok_tile // 8):
+            if 8 * j < valid_rows:
+                self._epilogue_columns(
+                    acc, j, mC, m_blk, n_blk, wg, warp, lane, alpha, act_gscale, sAmax, pair, pair_f32
+                )
+
+    def _epilogue_columns(
+        self, acc, j: int, mC, m_blk, n_blk, wg, warp, lane, alpha, act_gscale, sAmax, pair, pair_f32
+    ) -> None:
+        """The epilogue of column group ``j``."""
         q = lane & 3
         i = lane >> 2
         odd_i = i & 1
         odd = odd_i == 1
         feat0 = (n_blk * self.num_wg + wg) * self.wg_out + warp * (self.groups * 8) + (i & 6)
-        ncols = self.tok_tile // 8
-        # cols[j][v0][g]: the lane's value of its feature group g in token column 8j + 2q + v0
-        cols = [[self._column_values(acc, j, v0) for v0 in range(2)] for j in range(ncols)]
+        # cols[v0][g]: the lane's value of its feature group g in token column 8j + 2q + v0
+        cols = [self._column_values(acc, j, v0, alpha) for v0 in range(2)]
         if cutlass.const_expr(self.requant):
-            amax = self._block_amax(cols, sAmax, wg, warp, lane)
-            cols = [[self._requant(cols[j][v0], amax[j][v0], act_gscale) for v0 in range(2)] for j in range(ncols)]
-        pair = cute.make_rmem_tensor((1, 2), cutlass.BFloat16)
-        pair_f32 = cute.make_rmem_tensor((1, 2), cutlass.Float32)
-        for j in range(ncols):
-            # Lanes i and i ^ 1 (lane ^ 4) trade one column: the even lane stores column v0 = 0 of
-            # features (i, i + 1), the odd lane column v0 = 1.
-            row = m_blk * self.tok_tile + 8 * j + 2 * q + odd_i
-            for g in range(self.groups):
-                send = cutlass.Float32(cutlass.select_(odd, cols[j][0][g], cols[j][1][g]))
-                got = cute.arch.shuffle_sync_bfly(send, 4)
-                pair_f32[0, 0] = cutlass.Float32(cutlass.select_(odd, got, cols[j][0][g]))
-                pair_f32[0, 1] = cutlass.Float32(cutlass.select_(odd, cols[j][1][g], got))
-                pair.store(pair_f32.load().to(cutlass.BFloat16))
-                cute.autovec_copy(pair, cute.local_tile(mC, (1, 2), (row, (feat0 + g * 8) // 2)))
+            amax = self._block_amax([cols], sAmax, wg, warp, lane, j)[0]
+            cols = [self._requant(cols[v0], amax[v0], act_gscale) for v0 in range(2)]
+        # Lanes i and i ^ 1 (lane ^ 4) trade one column: the even lane stores column v0 = 0 of
+        # features (i, i + 1), the odd lane column v0 = 1.
+        row = m_blk * self.tok_tile + 8 * j + 2 * q + odd_i
+        for g in range(self.groups):
+            send = cutlass.Float32(cutlass.select_(odd, cols[0][g], cols[1][g]))
+            got = cute.arch.shuffle_sync_bfly(send, 4)
+            pair_f32[0, 0] = cutlass.Float32(cutlass.select_(odd, got, cols[0][g]))
+            pair_f32[0, 1] = cutlass.Float32(cutlass.select_(odd, cols[1][g], got))
+            pair.store(pair_f32.load().to(cutlass.BFloat16))
+            cute.autovec_copy(pair, cute.local_tile(mC, (1, 2), (row, (feat0 + g * 8) // 2)))
 
-    def _column_values(self, acc, j: int, v0: int) -> list:
-        """The lane's value of each 8-feature group in column (j, v0), after the activation."""
+    def _column_values(self, acc, j: int, v0: int, alpha) -> list:
+        """The lane's value of each 8-feature group in column (j, v0): scaled by ``alpha``, then the
+        activation."""
         vals = []
         for a in range(self.atoms):
             if cutlass.const_expr(self.gated):
-                g = acc[((v0, 0, j), a, 0)]
-                u = acc[((v0, 1, j), a, 0)]
+                g = acc[((v0, 0, j), a, 0)] * alpha
+                u = acc[((v0, 1, j), a, 0)] * alpha
                 vals.append(activations.gated_act(self.epilogue, g, u, self.limit))
             else:
                 for h in range(2):
-                    v = acc[((v0, h, j), a, 0)]
+                    v = acc[((v0, h, j), a, 0)] * alpha
                     if cutlass.const_expr(self.epilogue != EPI_PLAIN):
                         v = activations.plain_act(self.epilogue, v)
                     vals.append(v)
         return vals
 
-    def _block_amax(self, cols: list, sAmax: cute.Tensor, wg, warp, lane) -> list:
-        """amax[j][v0][b]: the amax of requantization block b of the lane's groups in column (j, v0).
+    def _block_amax(self, cols: list, sAmax: cute.Tensor, wg, warp, lane, j0: int = 0) -> list:
+        """amax[j][v0][b]: the amax of requantization block b of the lane's groups in column (j0 + j, v0).
 
         In-thread over the block's groups, then over the 8 lanes of the column (shuffles 4, 8, 16);
         with ``block_warps`` > 1 (a block spans warps, each holding one part of it) over those warps
@@ -708,14 +728,14 @@ class SwapDequantGemmSm90:
             q = lane & 3
             for j in range(len(cols)):  # the 8 lanes of a column hold the same value: all write it
                 for v0 in range(2):
-                    sAmax[8 * j + 2 * q + v0, warp, wg] = amax[j][v0][0]
+                    sAmax[8 * (j0 + j) + 2 * q + v0, warp, wg] = amax[j][v0][0]
             cute.arch.barrier(barrier_id=1 + wg, number_of_threads=self.threads_per_wg)
             first = warp - warp % self.block_warps
             for j in range(len(cols)):
                 for v0 in range(2):
                     m = amax[j][v0][0]
                     for p in range(self.block_warps):
-                        m = cute.arch.fmax(m, sAmax[8 * j + 2 * q + v0, first + p, wg])
+                        m = cute.arch.fmax(m, sAmax[8 * (j0 + j) + 2 * q + v0, first + p, wg])
                     amax[j][v0][0] = m
             cute.arch.barrier(barrier_id=1 + wg, number_of_threads=self.threads_per_wg)
         return amax
