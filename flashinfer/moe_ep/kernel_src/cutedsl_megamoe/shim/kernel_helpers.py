@@ -39,7 +39,7 @@ QUANT_KERNEL_CALL = (
     *QUANT_OPERANDS,
     "out",
     "pair_row", "pair_rank", "expert_count", "cta_base", "expert_off", "m_block_expert", "meta", "a_buf", "h_buf",
-    "x_rows", "stream",
+    "x_rows", "split_ws", "split_count", "stream",
 )  # fmt: skip
 
 #: what every EP kernel takes after ``out`` (``ep_workspace.EP_ARGS`` from ``live_tokens`` on)
@@ -111,7 +111,7 @@ SRC_SYMBOLS: dict[str, SrcSymbol] = {
         "Sm90MegaMoEQuantKernel",
         True,
         ("shim/quant.py",),
-        init_params=(*QUANT_KERNEL_INIT, "gather_in_fc1"),
+        init_params=(*QUANT_KERNEL_INIT, "gather_in_fc1", "swap_split_k"),
         call_params=QUANT_KERNEL_CALL,
     ),
     "export_moe_quant": SrcSymbol("moe_quant_glu.export", "export_moe_quant", True, ("shim/quant.py",)),

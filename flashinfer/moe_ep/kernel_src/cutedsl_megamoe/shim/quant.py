@@ -36,7 +36,11 @@ class QuantKnobs:
     trails the first (0: lock step; CTAs of one or four warpgroups ignore it), so the two do not
     convert, multiply and run their epilogues at the same moments. ``gather_in_fc1`` (``swap_ab``,
     world size 1): each token's activation row is prepared once and the swap-AB FC1 loads its token
-    columns from there through the row map, instead of a prepared copy per pair."""
+    columns from there through the row map, instead of a prepared copy per pair. ``swap_split_k``
+    (``swap_ab``, world size 1; 1, 2 or 4): where that many K parts of every CTA tile of a swap-AB GEMM
+    fit one wave of the grid (decoding few tokens), each part runs on its own CTA and the last one sums
+    them in part order; else the tiles run whole. Output-neutral up to the fp32 summation order of
+    the K parts (deterministic for a given T)."""
 
     tile_m: int = 128
     fc1_tile_n: int = 256
@@ -49,6 +53,7 @@ class QuantKnobs:
     swap_atoms: int = 4
     swap_stagger: int = 0
     gather_in_fc1: bool = False
+    swap_split_k: int = 1
 
     @property
     def grid(self) -> int:
@@ -134,6 +139,11 @@ class QuantFrontend(KernelFrontend):
             raise ValueError(f"tile_m must be 64 or 128 for the {self.fmt} kernel, got {k.tile_m}")
         if k.gather_in_fc1 and not k.swap_ab:
             raise ValueError("gather_in_fc1 needs the swap-AB GEMMs (swap_ab=True)")
+        splits = kh.constants.SWAP_SPLIT_FACTORS
+        if k.swap_split_k not in splits:
+            raise ValueError(f"swap_split_k must be one of {splits}, got {k.swap_split_k}")
+        if k.swap_split_k > 1 and not k.swap_ab:
+            raise ValueError("swap_split_k needs the swap-AB GEMMs (swap_ab=True)")
         for n in (k.fc1_tile_n, k.fc2_tile_n):
             if n not in (64, 128, 256):
                 raise ValueError(f"N tiles must be 64, 128 or 256, got {n}")
@@ -156,14 +166,18 @@ class QuantFrontend(KernelFrontend):
 
     def _export(self, out_dir: Path, function_name: str) -> Path:
         g = self.geometry
-        kernel = kh.Sm90MegaMoEQuantKernel(**self.kernel_kwargs(), gather_in_fc1=self.knobs.gather_in_fc1)
+        k = self.knobs
+        kernel = kh.Sm90MegaMoEQuantKernel(
+            **self.kernel_kwargs(), gather_in_fc1=k.gather_in_fc1, swap_split_k=k.swap_split_k
+        )
         return kh.export_moe_quant(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)
 
     def workspace_spec(self, max_tokens: int) -> list[Any]:
         g, k = self.geometry, self.knobs
         return kh.moe_quant_workspace_spec(
-            max_tokens, g.hidden, g.intermediate, g.num_experts, g.top_k, k.tile_m, k.num_sms, k.gather_in_fc1
-        )
+            max_tokens, g.hidden, g.intermediate, g.num_experts, g.top_k, k.tile_m, k.num_sms, k.gather_in_fc1,
+            k.swap_split_k,
+        )  # fmt: skip
 
     def prepare_weights(
         self,

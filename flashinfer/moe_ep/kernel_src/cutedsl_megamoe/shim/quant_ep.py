@@ -48,6 +48,8 @@ class QuantEpFrontend(EpFrontendMixin, QuantFrontend):
         super().check()
         if self.knobs.gather_in_fc1:
             raise ValueError("gather_in_fc1 is a world-size-1 knob (the EP dispatch moves prepared rows already)")
+        if self.knobs.swap_split_k != 1:
+            raise ValueError("swap_split_k is a world-size-1 knob (the EP kernel has no split-K workspace)")
 
     def _export(self, out_dir: Path, function_name: str) -> Path:
         g, k = self.geometry, self.knobs

@@ -3,6 +3,7 @@ dequantization bit for bit), config and input validation, cache keys, and AOT bu
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -160,6 +161,10 @@ def test_config_validation() -> None:
                                                                     "swap_stagger": stagger}), 8)  # fmt: skip
         with pytest.raises(MoEEpConfigError, match="gather_in_fc1 needs the swap-AB GEMMs"):
             bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 128, "gather_in_fc1": True}), 8)
+        with pytest.raises(MoEEpConfigError, match="swap_split_k needs the swap-AB GEMMs"):
+            bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 128, "swap_split_k": 2}), 8)
+        with pytest.raises(MoEEpConfigError, match=r"swap_split_k must be one of \(1, 2, 4\)"):
+            bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 16, "swap_ab": True, "swap_split_k": 3}), 8)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -172,6 +177,7 @@ def test_buckets_share_the_weight_layout(fmt: str) -> None:
         assert k.swap_ab and k.tile_m == bk["tile_m"] and k.swap_wg == bk.get("swap_wg", 2)
         assert k.swap_atoms == bk.get("swap_atoms", 4) and k.swap_stagger == bk.get("swap_stagger", 0)
         assert k.gather_in_fc1 == bk.get("gather_in_fc1", False)
+        assert k.swap_split_k == bk.get("swap_split_k", 1)
         assert k.fc1_tile_n == layout.knobs.fc1_tile_n  # one packed layout
     assert len({fe.key.digest() for fe in fes.values()}) == len(fes)
     gathering = {b.name for b in BUCKETS if fes[b.name].knobs.gather_in_fc1}
@@ -179,6 +185,8 @@ def test_buckets_share_the_weight_layout(fmt: str) -> None:
     four = {b.name for b in BUCKETS if fes[b.name].knobs.swap_wg == 4}  # NVFP4 swap16: four consumer warpgroups
     assert four == (set() if fmt == "mxfp8" else {"swap16"})
     assert fes["swap16"].knobs.swap_atoms == (4 if fmt == "mxfp8" else 2)
+    assert {b.name for b in BUCKETS if fes[b.name].knobs.swap_split_k > 1} == {"split16"}
+    assert fes["split16"].knobs == dataclasses.replace(fes["sparse16"].knobs, swap_split_k=2)
     explicit = bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 128}), 8)
     assert len({id(fe) for fe in explicit.values()}) == 1
 
@@ -207,8 +215,11 @@ def test_token_buckets_follow_the_pairs_per_expert(fmt: str | None) -> None:
 def test_nvfp4_sparse16_serves_while_its_fc1_fits_one_wave(fmt: str) -> None:
     """NVFP4's ``sparse16`` also needs its 256-row FC1 tiles over ``min(T * top_k, experts)`` busy
     experts to fit the grid (session 18 A/B: it wins in one wave, four-warpgroup ``swap16`` from two);
-    MXFP8, and callers that give no frontends, follow the pairs per expert alone."""
+    MXFP8, and callers that give no frontends, follow the pairs per expert alone. Before both,
+    ``split16`` (``sparse16`` with split K) serves where twice those tiles fit (its split then runs):
+    qwen3-30b-a3b T = 1 (2 x 48 of 132), in both formats; never without frontends."""
     last = {"qwen3-30b-a3b": 2, "qwen3-235b-a22b": 1, "deepseek-v3": 1}  # the last NVFP4 sparse16 T
+    split = {"qwen3-30b-a3b": 1, "qwen3-235b-a22b": 0, "deepseek-v3": 0}  # T served by split16
     for name, last_t in last.items():
         c = CONTRACTS[name]
         fes = bucket_frontends(CONFIG[fmt](c.hidden_size, c.intermediate_size, c.num_experts, c.top_k), c.num_experts)
@@ -217,6 +228,11 @@ def test_nvfp4_sparse16_serves_while_its_fc1_fits_one_wave(fmt: str) -> None:
         assert fes["swap16"].fc1_cta_tiles(c.top_k) == c.top_k * fc1_rows // 512
         picks = [token_bucket(t, c.top_k, c.num_experts, fmt, fes) for t in range(1, 5)]
         by_pairs = [token_bucket(t, c.top_k, c.num_experts, fmt) for t in range(1, 5)]
+        assert "split16" not in by_pairs
+        n = split[name]
+        assert picks[:n] == ["split16"] * n and "split16" not in picks[n:], (name, picks)
+        assert (2 * fes["split16"].fc1_cta_tiles(c.top_k) <= 132) == (n == 1)  # T = 1: two parts per FC1 tile
+        picks = ["sparse16" if p == "split16" else p for p in picks]
         if fmt == "mxfp8":
             assert picks == by_pairs, name
         else:
@@ -350,12 +366,15 @@ def test_build_every_default_variant_for_sm90a(fmt: str, tmp_path: Path, capsys)
             assert lib is not None and b"__tvm_ffi_" in lib.read_bytes(), name
 
 
-def _swap_gemm_lib(cache: Path, knobs: str, fmt: str = "nvfp4") -> Path:
-    """The library of the tiny layer with ``knobs`` (JSON), built in a process of its own (cutlass takes
-    the target arch at import)."""
+TINY = ("--contract", "tiny")  # build arguments of the tiny layer
+
+
+def _swap_gemm_lib(cache: Path, knobs: str, fmt: str = "nvfp4", shape: tuple[str, ...] = TINY) -> Path:
+    """The library of the tiny layer (or of ``shape``, build arguments) with ``knobs`` (JSON), built in a
+    process of its own (cutlass takes the target arch at import)."""
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
     cmd = [sys.executable, "-m", "flashinfer.moe_ep", "build", "--backend", CONFIG[fmt].kernel_name,
-           "--contract", "tiny", "--knobs", knobs, "--cache", str(cache)]  # fmt: skip
+           *shape, "--knobs", knobs, "--cache", str(cache)]  # fmt: skip
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     (lib,) = cache.glob("*/*.so")
@@ -409,17 +428,64 @@ def test_four_consumer_warpgroups_share_the_register_file(tmp_path: Path, fmt: s
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_gather_in_fc1_sizes_the_token_rows(fmt: str) -> None:
     """``gather_in_fc1``: the workspace adds ``x_rows``, one prepared row per token of the capacity (one
-    row without the knob, not read); the rest is the BF16 kernel's, and the layer's buckets share it."""
+    row without the knob, not read); before it the BF16 kernel's buffers, after it the split-K ones;
+    the layer's buckets share it."""
     with_rows = make_frontend(CONFIG[fmt](256, 128, 8, 2), 8, {"tile_m": 16, "swap_ab": True, "gather_in_fc1": True})
     without = make_frontend(CONFIG[fmt](256, 128, 8, 2), 8, {"tile_m": 16, "swap_ab": True})
     bf16 = drop.Bf16Frontend(drop.Geometry(256, 128, 8, 2, "swiglu", None))
     for fe, rows in ((with_rows, 300), (without, 1)):
         spec = {s.name: s for s in fe.workspace_spec(300)}
-        assert list(spec)[-1] == "x_rows" and (spec["x_rows"].shape, spec["x_rows"].dtype) == ((rows, 256), "bfloat16")
-        assert list(spec)[:-1] == [s.name for s in bf16.workspace_spec(300)]
+        assert list(spec)[-3] == "x_rows" and (spec["x_rows"].shape, spec["x_rows"].dtype) == ((rows, 256), "bfloat16")
+        assert list(spec)[:-3] == [s.name for s in bf16.workspace_spec(300)]  # then the split-K buffers
     assert with_rows.key.digest() != without.key.digest()
     views = drop.allocate_shared_workspace([with_rows, without], 300, torch.device("cpu"))
     assert views[0]["x_rows"].shape == (300, 256) and views[1]["x_rows"].shape == (1, 256)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_split_k_sizes_its_workspace_for_one_wave(fmt: str) -> None:
+    """``swap_split_k``: the workspace adds the partial accumulators (one wave of work units of at most
+    ``SWAP_MAX_CTA_ROWS`` rows x the token tile) and the part counters (per tile of one wave and consumer
+    warpgroup), one element each without the knob; the counters start at zero (shared allocation)."""
+    cfg = CONFIG[fmt](256, 128, 8, 2)
+    split = make_frontend(cfg, 8, {"tile_m": 32, "swap_ab": True, "swap_split_k": 4})
+    whole = make_frontend(cfg, 8, {"tile_m": 32, "swap_ab": True})
+    assert kh.constants.SWAP_MAX_CTA_ROWS == 512
+    for fe, partials, counters in ((split, 132 * 512 * 32, 66 * 4), (whole, 1, 1)):
+        spec = {s.name: s for s in fe.workspace_spec(300)}
+        assert list(spec)[-2:] == ["split_ws", "split_count"]
+        assert (spec["split_ws"].shape, spec["split_ws"].dtype) == ((partials,), "float32")
+        assert (spec["split_count"].shape, spec["split_count"].dtype) == ((counters,), "int32")
+    assert split.key.digest() != whole.key.digest()
+    views = drop.allocate_shared_workspace([split, whole], 300, torch.device("cpu"))
+    assert int(views[0]["split_count"].abs().sum()) == 0
+    with pytest.raises(MoEEpConfigError, match="swap_split_k is a world-size-1 knob"):
+        make_frontend(CONFIG[fmt](256, 128, 16, 4, knobs={"tile_m": 16, "swap_ab": True, "swap_split_k": 2}), 8,
+                      None, EpPlacement(2))  # fmt: skip
+
+
+@pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")
+@pytest.mark.skipif(kernel_resources.find_cuobjdump() is None, reason="needs cuobjdump (pip install .[test])")
+def test_split_k_counts_parts_with_one_atomic_per_gemm(tmp_path: Path) -> None:
+    """``swap_split_k`` 2 on H = 2048, I = 256: FC1 (32 K tiles: parts of 16) counts its K parts with one
+    global atomic (``ATOMG``) and reads the parts back with strong loads (``LDG.E.STRONG``: not from a
+    stale L1), without spilling; FC2 (4 K tiles, under ``SWAP_SPLIT_MIN_K_TILES`` a part) has neither,
+    nor has either GEMM without the knob."""
+    assert kh.constants.SWAP_SPLIT_MIN_K_TILES == 16
+    shape = ("--hidden", "2048", "--intermediate", "256", "--experts", "16", "--top-k", "4")
+    ops = {}
+    for split in (1, 2):
+        knobs = f'{{"tile_m": 16, "swap_ab": true, "swap_split_k": {split}}}'
+        lib = _swap_gemm_lib(tmp_path / str(split), knobs, shape=shape)
+        gemms = [r for r in kernel_resources.kernel_resources(lib) if "SwapDequantGemm" in r.name]
+        assert len(gemms) == 2 and all(r.local == 0 for r in gemms), gemms
+        ops[split] = [
+            (sum(1 for line in sass if re.search(r"\bATOMG\b", line)), any("LDG.E.STRONG" in line for line in sass))
+            for name, sass in kernel_resources.kernel_sass(lib).items()
+            if "SwapDequantGemm" in name
+        ]
+    assert ops[1] == [(0, False), (0, False)]
+    assert ops[2] == [(1, True), (0, False)]
 
 
 @pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")
@@ -464,8 +530,10 @@ def test_prequantized_input_is_a_kernel_variant(fmt: str) -> None:
 # -- expert parallelism (world_size > 1) -------------------------------------------------------------
 def test_ep_buckets_follow_the_global_tokens() -> None:
     """An EP forward's bucket is the world-size-1 rule at ``world_size * rows`` over the global experts
-    (every bucket is reachable: none serves fewer tokens than a world of ranks forwards)."""
-    assert [b.name for b in ep_buckets(2)] == [b.name for b in ep_buckets(1)] == [b.name for b in BUCKETS]
+    (every bucket is reachable: none serves fewer tokens than a world of ranks forwards), without the
+    split-K bucket (a world-size-1 knob: at world size > 1 it would repeat ``sparse16``)."""
+    split_free = [b.name for b in BUCKETS if b.name != "split16"]
+    assert [b.name for b in ep_buckets(2)] == [b.name for b in ep_buckets(1)] == split_free
     cases = ((0, 2, "sparse16"), (1, 2, "sparse16"), (4, 2, "sparse16"), (5, 2, "swap16"), (64, 2, "swap16"),
              (65, 2, "swap32"), (64, 4, "swap32"), (1000, 2, "swap128"))  # fmt: skip
     for rows, world, bucket in cases:

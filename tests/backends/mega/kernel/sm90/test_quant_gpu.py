@@ -41,6 +41,7 @@ MAX_UNITS = 4.0
 MEAN_GATE_T = 128
 UNIT = {"mxfp8": 2.0**-4, "nvfp4": 2.0**-2}
 SMALL = {"hidden_size": 256, "intermediate_size": 128, "num_experts": 16, "top_k": 4}
+SPLIT = {"num_experts": 16, "top_k": 4}  # with H and I long enough for split-K parts of 16 K tiles
 ACTIVATIONS = [
     ("swiglu", None),
     ("swiglu", 4.0),
@@ -133,6 +134,28 @@ GPU_VARIANTS = [
                                             "knobs": {"tile_m": 32, "swap_ab": True, "swap_wg": 4, "swap_atoms": 1}})
     for fmt in FORMATS
 ] + [
+    # split K (swap_split_k): each CTA tile's K parts (of 16 K tiles at least) on CTAs of their own where
+    # they fit one wave of the grid (T = 1 to 128 here), the last part summing them; whole tiles where
+    # they do not (T = 300, 2000: the same kernel). Two staggered warpgroups, FC1 and FC2 in 2 parts;
+    # four warpgroups, FC1 in 4 parts and FC2 in 2 (split_k 4: the most that keep 16 K tiles); gathered
+    # token rows (relu2), FC1 in 4 parts and FC2 (16 K tiles) whole
+    (f"{fmt}-split2", fmt, {**SPLIT, "hidden_size": 2048, "intermediate_size": 2048, "activation": "swiglu",
+                            "activation_limit": None,
+                            "knobs": {"tile_m": 16, "swap_ab": True, "swap_stagger": 4, "swap_split_k": 2}})
+    for fmt in FORMATS
+] + [
+    (f"{fmt}-split4-wg4", fmt, {**SPLIT, "hidden_size": 4096, "intermediate_size": 2048, "activation": "swiglu",
+                                "activation_limit": None,
+                                "knobs": {"tile_m": 16, "swap_ab": True, "swap_wg": 4, "swap_atoms": 2,
+                                          "swap_split_k": 4}})
+    for fmt in FORMATS
+] + [
+    (f"{fmt}-split4-relu2-gather", fmt, {**SPLIT, "hidden_size": 4096, "intermediate_size": 1024,
+                                         "activation": "relu2", "activation_limit": None,
+                                         "knobs": {"tile_m": 32, "swap_ab": True, "gather_in_fc1": True,
+                                                   "swap_split_k": 4}})
+    for fmt in FORMATS
+] + [
     # activations given as codes and block scales (every default bucket)
     (f"{fmt}-preq-swiglu", fmt, {**SMALL, "activation": "swiglu", "activation_limit": None,
                                  "prequantized_input": True})
@@ -211,7 +234,7 @@ def _check(name: str, inp, ref_x=None) -> None:
     assert torch.equal(out, again), "two runs on the same inputs differ"
 
 
-@pytest.mark.parametrize("variant", [v[0] for v in GPU_VARIANTS if "-small" in v[0] and "-preq" not in v[0]])
+@pytest.mark.parametrize("variant", [v[0] for v in GPU_VARIANTS if "-small" in v[0] or "-split" in v[0]])
 @pytest.mark.parametrize("routing", ROUTINGS)
 def test_small_every_activation(variant: str, routing: str) -> None:
     for i, t in enumerate(TOKENS):
@@ -290,7 +313,26 @@ def test_zero_tokens(fmt: str) -> None:
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("t", [100, 800])  # qwen3-30b-a3b: the swap16 and the swap128 bucket
 def test_cuda_graph_replay_equals_eager(fmt: str, t: int) -> None:
-    layer, cfg, _, _ = _layer(f"{fmt}-qwen3-30b-a3b")
+    _graph_replay_equals_eager(f"{fmt}-qwen3-30b-a3b", t)
+
+
+SPLIT_VARIANTS = [v[0] for v in GPU_VARIANTS if "-split" in v[0]]
+
+
+@pytest.mark.parametrize("variant", SPLIT_VARIANTS)
+@pytest.mark.parametrize("t", [1, 7, 300])  # split (4 or 2 parts), split, whole tiles
+def test_split_k_graph_replay_and_counters(variant: str, t: int) -> None:
+    """Graph replays of the split-K GEMMs equal eager runs, and every call leaves the part counters
+    at zero (the next call's last part is then found again)."""
+    _graph_replay_equals_eager(variant, t)
+    layer = _layer(variant)[0]
+    for bucket, ws in layer._backend.workspace.items():
+        assert ws["split_count"].numel() > 1, bucket
+        assert int(ws["split_count"].abs().sum()) == 0, bucket
+
+
+def _graph_replay_equals_eager(name: str, t: int) -> None:
+    layer, cfg, _, _ = _layer(name)
     static = _inputs(cfg, t, "uniform", seed=5)
     out = torch.empty(t, cfg.hidden_size, dtype=torch.bfloat16, device="cuda")
     stream = torch.cuda.Stream()

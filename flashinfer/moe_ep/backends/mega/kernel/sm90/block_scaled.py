@@ -206,7 +206,8 @@ class TokenBucket:
     from ``max_pairs_per_expert`` (``format_max_pairs``). In the formats of ``one_wave`` the bucket
     serves only while its swap-AB FC1 fits one wave of its grid when every pair has an expert of its own
     (``min(T * top_k, experts)`` busy experts, of which a rank holds its share; one CTA tile per block
-    of rows each)."""
+    of rows each), ``fc1_parts`` CTAs per tile (its split K); a bucket of more than one part never
+    serves without its frontend or with a fallback one (nothing then says that its split would run)."""
 
     name: str
     knobs: dict[str, Any]
@@ -215,6 +216,7 @@ class TokenBucket:
     format_knobs: dict[str, dict[str, Any]] = field(default_factory=dict)
     format_max_pairs: dict[str, float] = field(default_factory=dict)
     one_wave: tuple[str, ...] = ()
+    fc1_parts: int = 1
 
     def serves(self, t: int, top_k: int, num_experts: int, fmt: str | None = None, frontend: Any = None) -> bool:
         """Whether the bucket serves ``t`` tokens; ``frontend`` (this bucket's) for the ``one_wave`` rule,
@@ -223,10 +225,12 @@ class TokenBucket:
         if bound is not None and t * top_k > bound * num_experts:
             return False
         if fmt not in self.one_wave or frontend is None:
-            return True
+            return self.fc1_parts == 1
         busy = math.ceil(min(t * top_k, num_experts) * frontend.local_experts / num_experts)
         tiles = frontend.fc1_cta_tiles(busy)
-        return tiles is None or tiles <= frontend.knobs.grid  # None: a fallback frontend (no swap-AB)
+        if tiles is None:  # a fallback frontend (no swap-AB): the pairs decide, and nothing splits
+            return self.fc1_parts == 1
+        return tiles * self.fc1_parts <= frontend.knobs.grid
 
     def knobs_for(self, fmt: str) -> dict[str, Any]:
         """The knobs this bucket sets for weight format ``fmt``."""
@@ -235,6 +239,14 @@ class TokenBucket:
 
 #: Token buckets, in order. Measured on the H200 (TUNING.md; qwen3-30b-a3b, qwen3-235b-a22b, deepseek-v3,
 #: MXFP8 and NVFP4):
+#: - ``split16``: ``sparse16`` with split K (``swap_split_k=2``: a CTA tile's K halves on CTAs of their
+#:   own, the last one summing them; drop v31: parts of 16 K tiles at least, so qwen3-30b-a3b's FC2, 12
+#:   K tiles, runs whole), while twice its FC1 tiles over the busy experts fit one wave (``fc1_parts``;
+#:   qwen3-30b-a3b T = 1: 96 of 132; not T = 2, nor T = 1 on the larger contracts, where the split
+#:   kernel, not splitting, ran 0-5 % behind ``sparse16`` in one call). Session 20 run 7 (drop v31, CUDA
+#:   graphs of 8 layers, twice): qwen3-30b-a3b T = 1 24.7-24.8 against 27.9-28.2 us (NVFP4), 25.5
+#:   against 27.7-27.9 us (MXFP8); Nsight Compute (v30) FC1 19.4 -> 16.7 us, 17.1 -> 14.3 us. Not the
+#:   2x a halved K loop would give: each CTA spends ~6 us outside its K loop.
 #: - ``sparse16``: at most half a pair per expert on average (most experts idle: T = 1, and up to T = 8
 #:   on qwen3 and 16 on deepseek-v3): 16-token tiles with 2 WGMMA atoms (128 weight rows) per
 #:   warpgroup, so the few busy experts' weights are converted by twice the warpgroups (CTAs of 256
@@ -278,10 +290,20 @@ class TokenBucket:
 #: - ``decode`` / ``prefill``: 64 / 128-row M tiles (shared-memory dequantization), for the shapes the
 #:   swap-AB GEMMs cannot tile (sizes not multiples of 128, or gate/up not interleaved per 256).
 _GATHER = {"swap_ab": True, "gather_in_fc1": True}
+_SPARSE16 = {"tile_m": 16, "swap_ab": True, "swap_atoms": 2}
 BUCKETS = (
     TokenBucket(
+        "split16",
+        {**_SPARSE16, "swap_split_k": 2},
+        max_pairs_per_expert=0.5,
+        fallback="decode",
+        format_max_pairs={"nvfp4": 0.125},
+        one_wave=("mxfp8", "nvfp4"),
+        fc1_parts=2,
+    ),
+    TokenBucket(
         "sparse16",
-        {"tile_m": 16, "swap_ab": True, "swap_atoms": 2},
+        _SPARSE16,
         max_pairs_per_expert=0.5,
         fallback="decode",
         format_max_pairs={"nvfp4": 0.125},
@@ -299,7 +321,7 @@ BUCKETS = (
     TokenBucket("swap128", {"tile_m": 128, **_GATHER}, fallback="prefill"),
 )
 #: bucket knobs of the world-size-1 kernel only (the EP kernels' dispatch moves prepared rows already)
-WORLD1_KNOBS = ("gather_in_fc1",)
+WORLD1_KNOBS = ("gather_in_fc1", "swap_split_k")
 #: the knobs of the fallback buckets (over the defaults)
 FALLBACKS = {"decode": {"tile_m": 64}, "prefill": {}}
 
@@ -354,9 +376,11 @@ class EpPlacement:
 
 def ep_buckets(world_size: int) -> tuple[TokenBucket, ...]:
     """The buckets an EP forward of ``world_size`` ranks can reach (``ep_token_bucket``: the bucket of the
-    global ``world_size * T``): every one, as they are bounded by pairs per expert, not by a token count
-    below the world size (session 15 replaced ``swap1``, the one bucket of T = 1)."""
-    return BUCKETS
+    global ``world_size * T``): every one bounded by pairs per expert (session 15 replaced ``swap1``,
+    the one bucket of T = 1, so no token count below the world size is left out), but not those that
+    only add a split K (``fc1_parts``): the EP kernels have no split-K workspace (``swap_split_k`` is a
+    world-size-1 knob), so there they would repeat their base bucket."""
+    return tuple(b for b in BUCKETS if b.fc1_parts == 1)
 
 
 def ep_token_bucket(
