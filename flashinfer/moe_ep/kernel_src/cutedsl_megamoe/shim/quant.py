@@ -27,7 +27,8 @@ MAX_SWAP_STAGGER = 8
 
 @dataclass(frozen=True)
 class QuantKnobs:
-    """Compile-time knobs of the quantized kernel (all output-neutral). ``swap_ab``: the swap-AB GEMMs
+    """Compile-time knobs of the quantized kernel (output-neutral but for ``swap_split_k``'s summation
+    order). ``swap_ab``: the swap-AB GEMMs
     (weights dequantized in registers, tokens as WGMMA N); ``tile_m`` is then the token tile,
     ``swap_wg`` the most consumer warpgroups per CTA (1, 2, or 4 with ``swap_atoms`` 2 or 1) and
     ``swap_atoms`` the most WGMMA atoms (64 weight rows) per warpgroup (4, or 2 or 1: fewer rows per
@@ -38,9 +39,9 @@ class QuantKnobs:
     world size 1): each token's activation row is prepared once and the swap-AB FC1 loads its token
     columns from there through the row map, instead of a prepared copy per pair. ``swap_split_k``
     (``swap_ab``, world size 1; 1, 2 or 4): where that many K parts of every CTA tile of a swap-AB GEMM
-    fit one wave of the grid (decoding few tokens), each part runs on its own CTA and the last one sums
-    them in part order; else the tiles run whole. Output-neutral up to the fp32 summation order of
-    the K parts (deterministic for a given T)."""
+    fit one wave of the grid (decoding few tokens) and keep ``SWAP_SPLIT_MIN_K_TILES`` (16) K tiles each,
+    each part runs on its own CTA and the last one sums them in part order; else the tiles run whole.
+    It changes the fp32 summation order of K where it splits (deterministic for a given T)."""
 
     tile_m: int = 128
     fc1_tile_n: int = 256
