@@ -118,6 +118,12 @@ class QuantFrontend(KernelFrontend):
         per = self.fc1_tiles_per_expert
         return None if per is None else busy_experts * per
 
+    def fc1_splits_into(self, parts: int) -> bool:
+        """Whether the swap-AB FC1's K (H) splits into ``parts`` parts at all: each keeps
+        ``SWAP_SPLIT_MIN_K_TILES`` K tiles (the kernel's trace-time rule; shorter K runs whole)."""
+        c = kh.constants
+        return self.geometry.hidden // c.TILE_K // parts >= c.SWAP_SPLIT_MIN_K_TILES
+
     def check(self) -> None:
         k = self.knobs
         check_glu_geometry(

@@ -248,6 +248,11 @@ def test_nvfp4_sparse16_serves_while_its_fc1_fits_one_wave(fmt: str) -> None:
         assert fes["sparse16"].fc1_cta_tiles(8) == 96 and fes["sparse16"].knobs.grid == 132 // per_gpu
         got = ep_token_bucket(1, 2, c.top_k, c.num_experts, fmt, fes)
         assert got == (want if fmt == "nvfp4" else "sparse16"), (per_gpu, got)
+    # H = 1024: 16 K tiles, too short for two parts of 16, so split16 never serves (its kernel would not split)
+    short = bucket_frontends(CONFIG[fmt](1024, 768, 128, 8), 128)
+    assert not short["split16"].fc1_splits_into(2) and bucket_frontends(cfg, 128)["split16"].fc1_splits_into(2)
+    assert 2 * short["split16"].fc1_cta_tiles(8) <= 132
+    assert token_bucket(1, 8, 128, fmt, short) == "sparse16"
     # a fallback frontend (no swap-AB: I = 192) has no FC1 wave: the pairs decide
     fes = bucket_frontends(CONFIG[fmt](256, 192, 8, 2), 8)
     assert fes["sparse16"].fc1_cta_tiles(8) is None

@@ -206,8 +206,9 @@ class TokenBucket:
     from ``max_pairs_per_expert`` (``format_max_pairs``). In the formats of ``one_wave`` the bucket
     serves only while its swap-AB FC1 fits one wave of its grid when every pair has an expert of its own
     (``min(T * top_k, experts)`` busy experts, of which a rank holds its share; one CTA tile per block
-    of rows each), ``fc1_parts`` CTAs per tile (its split K); a bucket of more than one part never
-    serves without its frontend or with a fallback one (nothing then says that its split would run)."""
+    of rows each), ``fc1_parts`` CTAs per tile (its split K); a bucket of more than one part serves only
+    where that split runs: never without its frontend, with a fallback one, or where FC1's K is too
+    short to split (``QuantFrontend.fc1_splits_into``)."""
 
     name: str
     knobs: dict[str, Any]
@@ -228,7 +229,8 @@ class TokenBucket:
             return self.fc1_parts == 1
         busy = math.ceil(min(t * top_k, num_experts) * frontend.local_experts / num_experts)
         tiles = frontend.fc1_cta_tiles(busy)
-        if tiles is None:  # a fallback frontend (no swap-AB): the pairs decide, and nothing splits
+        # a fallback frontend (no swap-AB), or an FC1 whose K is too short to split: the pairs decide
+        if tiles is None or (self.fc1_parts > 1 and not frontend.fc1_splits_into(self.fc1_parts)):
             return self.fc1_parts == 1
         return tiles * self.fc1_parts <= frontend.knobs.grid
 
@@ -241,7 +243,8 @@ class TokenBucket:
 #: MXFP8 and NVFP4):
 #: - ``split16``: ``sparse16`` with split K (``swap_split_k=2``: a CTA tile's K halves on CTAs of their
 #:   own, the last one summing them; drop v31: parts of 16 K tiles at least, so qwen3-30b-a3b's FC2, 12
-#:   K tiles, runs whole), while twice its FC1 tiles over the busy experts fit one wave (``fc1_parts``;
+#:   K tiles, runs whole), while twice its FC1 tiles over the busy experts fit one wave and FC1's K
+#:   splits (H >= 2048: parts of 16 K tiles; ``fc1_parts``;
 #:   qwen3-30b-a3b T = 1: 96 of 132; not T = 2, nor T = 1 on the larger contracts, where the split
 #:   kernel, not splitting, ran 0-5 % behind ``sparse16`` in one call). Session 20 run 7 (drop v31, CUDA
 #:   graphs of 8 layers, twice): qwen3-30b-a3b T = 1 24.7-24.8 against 27.9-28.2 us (NVFP4), 25.5
