@@ -73,9 +73,9 @@ def quant_gather_kernel(
     frag = cute.make_rmem_tensor((1, per_lane), x.element_type)
     vals = cute.make_rmem_tensor((1, per_lane), cutlass.Float32)
     qfrag = cute.make_rmem_tensor((1, per_lane), x.element_type)
-    gs = cutlass.Float32(1.0)
+    gs = None  # the NVFP4 per-tensor constants
     if cutlass.const_expr(fmt == constants.FMT_NVFP4):
-        gs = act_gscale[0]
+        gs = bq.nvfp4_global(act_gscale[0])
     slots = num_tokens * nitem * lanes
     # Warp-uniform trip count (the shuffles need every lane); lanes past the end redo the last slot and store nothing.
     for base in cutlass.range(first - lane, slots, stride):
@@ -171,9 +171,9 @@ def quant_rows_kernel(
         raw = cute.make_rmem_tensor((1, _item_bytes(fmt)), cutlass.Uint8)
         vals = cute.make_rmem_tensor((1, ITEM), cutlass.Float32)
         qfrag = cute.make_rmem_tensor((1, ITEM), x_sym.element_type)
-        gs = cutlass.Float32(1.0)
+        gs = None  # the NVFP4 per-tensor constants
         if cutlass.const_expr(fmt == constants.FMT_NVFP4 and not prequantized):
-            gs = act_gscale[0]
+            gs = bq.nvfp4_global(act_gscale[0])
         for item in cutlass.range(bid * nthr + tid, num_tokens * nitem, nblk * nthr):
             t = item // nitem
             g = item - t * nitem
@@ -200,7 +200,7 @@ def _item_bytes(fmt: str) -> int:
 def _qdq_item(x, t, g, frag, vals, fmt: str, gs) -> None:
     """Item ``g`` of BF16 row ``t`` of ``x``, quantized to ``fmt`` and dequantized, into ``vals``
     (fp32, exact in BF16): MXFP8 one UE8M0 block of 32, NVFP4 two E4M3-scaled blocks of 16 with the
-    global scale ``gs``."""
+    per-tensor constants ``gs`` (``bq.nvfp4_global``)."""
     vec = constants.BF16_PER_16B
     nvec = ITEM // vec
     for j in range(nvec):

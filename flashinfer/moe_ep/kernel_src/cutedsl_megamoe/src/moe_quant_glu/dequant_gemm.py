@@ -537,9 +537,9 @@ class DequantGroupedGemmSm90(GroupedGemmSm90):
         groups = constants.QUANT_BLOCK[self.fmt] // 8
         n_groups = self.tile_n_out // 8
         n_mm = cute.size(acc_out, mode=[1])
-        gs = cutlass.Float32(1.0)
+        rq = None
         if cutlass.const_expr(self.fmt == constants.FMT_NVFP4):
-            gs = act_gscale[1]
+            rq = bq.nvfp4_global(act_gscale[1])
         for mm in range(n_mm):
             for v1 in range(2):
                 for blk in range(n_groups // groups):
@@ -549,6 +549,6 @@ class DequantGroupedGemmSm90(GroupedGemmSm90):
                     if cutlass.const_expr(self.fmt == constants.FMT_MXFP8):
                         q = bq.mxfp8_qdq(vals, amax)
                     else:
-                        q = bq.nvfp4_qdq(vals, amax, gs)
+                        q = bq.nvfp4_qdq(vals, amax, rq)
                     for i, v in zip(idx, q):
                         acc_out[i] = v

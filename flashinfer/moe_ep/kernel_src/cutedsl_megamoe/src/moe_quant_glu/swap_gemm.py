@@ -41,10 +41,12 @@ warpgroup); the last to arrive sums the s parts in part order (so the result doe
 which part finishes last), zeroes the counter for the next call and runs the epilogue. No CTA waits
 for another, so no co-scheduling is assumed. Otherwise the tile runs whole, as without the knob.
 
-The epilogue runs per group of 8 token columns, and only for groups that hold a real row of the M
-block (``m_block_expert``'s row count): at decode a 16-token tile holds one or a few tokens, so the
-activation, requantization and stores of its padding columns are skipped (their outputs are never
-read: FC2's padding columns, like ``gather_b``'s, see stale rows, which no real column mixes with).
+The epilogue runs per group of 8 token columns (per 4 groups where the requantization's amax
+crosses warps: one exchange through shared memory for the 4), and only for groups that hold a real
+row of the M block (``m_block_expert``'s row count): at decode a 16-token tile holds one or a few
+tokens, so the activation, requantization and stores of its padding columns are skipped (their
+outputs are never read: FC2's padding columns, like ``gather_b``'s, see stale rows, which no real
+column mixes with).
 
 Which weight rows a thread holds is free (``ldmatrix`` takes a row address per lane), so the
 tiling uses the packed layout of the prefill kernel unchanged and picks rows for the epilogue:
@@ -81,6 +83,7 @@ from ..src import block_quant as bq
 from .dequant_gemm import box_inner, packed_view, ring_state
 
 EPI_PLAIN = "plain"
+EPI_AMAX_CHUNK = 4  # column groups (8 tokens each) whose cross-warp amax is exchanged at once
 STAGGER_BARRIER = 3  # named barrier of the consumer stagger (1 + wg: the amax exchange and the split-K count)
 
 
@@ -147,6 +150,8 @@ class SwapDequantGemmSm90:
         # with 2 atoms): their partial amax meet in shared memory.
         self.block_warps = max(1, constants.QUANT_BLOCK[self.fmt] // 8 // self.groups) if self.requant else 1
         self.amax_bytes = 4 * self.tok_tile * 4 * self.num_wg if self.block_warps > 1 else 0
+        # Column groups per amax exchange (two named barriers each) where blocks span warps, else 1.
+        self.epi_chunk = min(EPI_AMAX_CHUNK, self.tok_tile // 8) if self.block_warps > 1 else 1
         self.num_threads = (1 + self.num_wg) * self.threads_per_wg
         self.producer_regs, self.consumer_regs = SWAP_WG_REGS[self.num_wg]
 
@@ -400,7 +405,9 @@ class SwapDequantGemmSm90:
                 block = m_block_expert[m_blk]
                 expert = block & 0xFFFF
                 valid_rows = block >> 16
-                alpha = self._alpha(expert, w_gscale, act_gscale)  # loaded before the K loop: off the epilogue's path
+                # loaded before the K loop: off the epilogue's path
+                alpha = self._alpha(expert, w_gscale, act_gscale)
+                out_gs = self._out_gscale(act_gscale)
                 acc.fill(0.0)
                 # Two fragments alternate (registers are not indexable at run time): K tiles in pairs.
                 for k2 in cutlass.range(kn // 2, unroll=1):
@@ -426,9 +433,9 @@ class SwapDequantGemmSm90:
                     if splits > 1:
                         finish = self._split_reduce(acc, split_ws, split_count, storage, unit, tile, splits, wg, ctid)
                     if finish:
-                        self._epilogue(acc, mC, m_blk, n_blk, wg, warp, lane, valid_rows, alpha, act_gscale, sAmax)
+                        self._epilogue(acc, mC, m_blk, n_blk, wg, warp, lane, valid_rows, alpha, out_gs, sAmax)
                 else:
-                    self._epilogue(acc, mC, m_blk, n_blk, wg, warp, lane, valid_rows, alpha, act_gscale, sAmax)
+                    self._epilogue(acc, mC, m_blk, n_blk, wg, warp, lane, valid_rows, alpha, out_gs, sAmax)
                 unit += grid_x
             if consumed > 0:
                 ab_pipe.consumer_release(self._ring_state(consumed - 1))
@@ -645,38 +652,57 @@ class SwapDequantGemmSm90:
             return act_gscale[self.gscale_index] * w_gscale[expert] * bq.NVFP4_ACC_SCALE
         return cutlass.Float32(bq.MXFP8_ACC_SCALE)
 
+    def _out_gscale(self, act_gscale: cute.Tensor):
+        """The NVFP4 global scale of the requantized output (``act_gscale[1]``, loaded once per tile, not
+        once per column group); a constant where there is none."""
+        if cutlass.const_expr(self.requant and self.fmt == constants.FMT_NVFP4):
+            return act_gscale[1]
+        return cutlass.Float32(1.0)
+
     @cute.jit
-    def _epilogue(self, acc, mC, m_blk, n_blk, wg, warp, lane, valid_rows, alpha, act_gscale, sAmax) -> None:
+    def _epilogue(self, acc, mC, m_blk, n_blk, wg, warp, lane, valid_rows, alpha, out_gs, sAmax) -> None:
         """Accumulator -> activation -> (requantization) -> bf16 stores, for each group of 8 token columns
         that holds a real row (``valid_rows`` of the M block: the same in every thread of the CTA, so
-        the amax exchange's named barriers stay collective).
+        the amax exchange's named barriers stay collective). Where a requantization block spans warps,
+        ``epi_chunk`` groups at a time share one amax exchange (their padding columns are computed,
+        not stored).
 
         Accumulator mode 0 is ((2, 2, tok/8)): v0 = column pair, v1 = row half h, j = column group;
         mode 1 is the atom. Column (token) ``8j + 2q + v0`` with q = lane % 4; lane row i = lane // 4."""
         pair = cute.make_rmem_tensor((1, 2), cutlass.BFloat16)
         pair_f32 = cute.make_rmem_tensor((1, 2), cutlass.Float32)
-        for j in cutlass.range_constexpr(self.tok_tile // 8):
-            if 8 * j < valid_rows:
-                self._epilogue_columns(
-                    acc, j, mC, m_blk, n_blk, wg, warp, lane, alpha, act_gscale, sAmax, pair, pair_f32
-                )
+        rq = None  # the NVFP4 requantization's per-tensor constants
+        if cutlass.const_expr(self.requant and self.fmt == constants.FMT_NVFP4):
+            rq = bq.nvfp4_global(out_gs)
+        n = self.epi_chunk
+        for c in cutlass.range_constexpr(self.tok_tile // 8 // n):
+            if 8 * n * c < valid_rows:
+                cols = self._chunk_values(acc, c * n, alpha, rq, sAmax, wg, warp, lane)
+                for jj in cutlass.range_constexpr(n):
+                    if cutlass.const_expr(n == 1):
+                        self._store_columns(cols[jj], c * n + jj, mC, m_blk, n_blk, wg, warp, lane, pair, pair_f32)
+                    elif 8 * (c * n + jj) < valid_rows:
+                        self._store_columns(cols[jj], c * n + jj, mC, m_blk, n_blk, wg, warp, lane, pair, pair_f32)
 
-    def _epilogue_columns(
-        self, acc, j: int, mC, m_blk, n_blk, wg, warp, lane, alpha, act_gscale, sAmax, pair, pair_f32
-    ) -> None:
-        """The epilogue of column group ``j``."""
+    def _chunk_values(self, acc, j0: int, alpha, rq, sAmax, wg, warp, lane) -> list:
+        """cols[jj][v0][g]: the lane's output value of its feature group g in token column
+        ``8 (j0 + jj) + 2q + v0``, for the ``epi_chunk`` column groups from ``j0``: activation, then the
+        requantization (the cross-warp amax of the whole chunk in one exchange)."""
+        cols = [[self._column_values(acc, j, v0, alpha) for v0 in range(2)] for j in range(j0, j0 + self.epi_chunk)]
+        if cutlass.const_expr(self.requant):
+            amax = self._block_amax(cols, sAmax, wg, warp, lane, j0)
+            cols = [[self._requant(cols[jj][v0], amax[jj][v0], rq) for v0 in range(2)] for jj in range(len(cols))]
+        return cols
+
+    def _store_columns(self, cols: list, j: int, mC, m_blk, n_blk, wg, warp, lane, pair, pair_f32) -> None:
+        """Column group ``j``'s values (``cols[v0][g]``) as bf16 pairs of features. Lanes i and i ^ 1
+        (lane ^ 4) trade one column: the even lane stores column v0 = 0 of features (i, i + 1), the odd
+        lane column v0 = 1."""
         q = lane & 3
         i = lane >> 2
         odd_i = i & 1
         odd = odd_i == 1
         feat0 = (n_blk * self.num_wg + wg) * self.wg_out + warp * (self.groups * 8) + (i & 6)
-        # cols[v0][g]: the lane's value of its feature group g in token column 8j + 2q + v0
-        cols = [self._column_values(acc, j, v0, alpha) for v0 in range(2)]
-        if cutlass.const_expr(self.requant):
-            amax = self._block_amax([cols], sAmax, wg, warp, lane, j)[0]
-            cols = [self._requant(cols[v0], amax[v0], act_gscale) for v0 in range(2)]
-        # Lanes i and i ^ 1 (lane ^ 4) trade one column: the even lane stores column v0 = 0 of
-        # features (i, i + 1), the odd lane column v0 = 1.
         row = m_blk * self.tok_tile + 8 * j + 2 * q + odd_i
         for g in range(self.groups):
             send = cutlass.Float32(cutlass.select_(odd, cols[0][g], cols[1][g]))
@@ -740,9 +766,9 @@ class SwapDequantGemmSm90:
             cute.arch.barrier(barrier_id=1 + wg, number_of_threads=self.threads_per_wg)
         return amax
 
-    def _requant(self, vals: list, amax: list, act_gscale: cute.Tensor) -> list:
+    def _requant(self, vals: list, amax: list, rq) -> list:
         """Quantize-dequantize one column's group values along the features, block b of the lane's
-        groups with ``amax[b]`` (``_block_amax``)."""
+        groups with ``amax[b]`` (``_block_amax``); NVFP4 with the constants ``rq`` (``bq.nvfp4_global``)."""
         per_block = len(vals) // len(amax)
         out = []
         for b in range(len(amax)):
@@ -750,5 +776,5 @@ class SwapDequantGemmSm90:
             if cutlass.const_expr(self.fmt == constants.FMT_MXFP8):
                 out.extend(bq.mxfp8_qdq(blk, amax[b]))
             else:
-                out.extend(bq.nvfp4_qdq(blk, amax[b], act_gscale[1]))
+                out.extend(bq.nvfp4_qdq(blk, amax[b], rq))
         return out

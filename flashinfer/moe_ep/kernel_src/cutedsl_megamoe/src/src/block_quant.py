@@ -14,6 +14,9 @@ to accumulation order. Plain Python functions emitting code while a ``@cute.kern
 
 from __future__ import annotations
 
+import struct
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
@@ -288,44 +291,110 @@ def mul_rn(a: Float32, b: Float32) -> Float32:
     return cute.arch.inline_ptx("mul.rn.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32], read_only_args=[a, b])
 
 
-def _round_e2m1_magnitude(a: Float32) -> Float32:
-    """RNE of ``a >= 0`` onto {0, .5, 1, 1.5, 2, 3, 4, 6}, saturating (ties to the even code), NaN -> 0.
-
-    The grid step is 0.5 below 2, 1 from 2 and 2 from 4, so ``rint(a / step) * step`` (``cvt.rni``:
-    ties to even, which is the even code; exact, the steps are powers of two), then ``min(., 6)``.
-    Equal, for every fp32 input, to the threshold chain of drop v19 and before (0.25 < a -> .5, 0.75 <=
-    a -> 1, ..., 5 < a -> 6; tests/kernel_src/cutedsl_megamoe/test_block_quant_bits.py) in 11 instructions
-    instead of 21. ``max(a, 0)`` first maps NaN to 0, as the chain's comparisons did."""
+def rcp_refined(b: Float32) -> Float32:
+    """The reciprocal that ``div.rn.f32`` multiplies by on its fast path: ``rcp.approx(b)`` (``MUFU.RCP``)
+    refined by one Newton step, ``y0 + y0 * (1 - b * y0)``. For a normal ``b`` whose reciprocal is
+    normal (``|b|`` in [2**-125, 2**125])."""
     return cute.arch.inline_ptx(
-        "{ .reg .f32 x, inv, step, t; .reg .pred p4, p2;\n"
-        "max.f32 x, {$r0}, 0f00000000;\n"
-        "setp.ge.f32 p4, x, 0f40800000; setp.ge.f32 p2, x, 0f40000000;\n"  # x >= 4, x >= 2
-        "selp.f32 inv, 0f3F000000, 0f3F800000, p4; selp.f32 inv, inv, 0f40000000, p2;\n"  # 1 / step
-        "selp.f32 step, 0f40000000, 0f3F800000, p4; selp.f32 step, step, 0f3F000000, p2;\n"
-        "mul.rn.f32 t, x, inv; cvt.rni.f32.f32 t, t; mul.rn.f32 t, t, step;\n"
-        "min.f32 {$w0}, t, 0f40C00000; }",
+        "{ .reg .f32 y0, e, nb;\n"
+        "rcp.approx.ftz.f32 y0, {$r0}; neg.f32 nb, {$r0};\n"
+        "fma.rn.f32 e, nb, y0, 0f3F800000; fma.rn.f32 {$w0}, y0, e, y0; }",
         write_only_types=[Float32],
-        read_only_args=[a],
+        read_only_args=[b],
     )
 
 
-def nvfp4_qdq(vals: list, amax: Float32, global_scale: Float32) -> list:
-    """NVFP4 quantize-dequantize of one 16-element block with a fixed ``global_scale``: ``bs =
-    RNE_e4m3(amax / (6 * gs))``, ``d = bs * gs``, elements ``RNE_e2m1(v / d)`` saturating; returns
-    ``e2m1 * bs`` (exact in BF16; the caller applies ``gs`` to the fp32 accumulator)."""
-    t = div_rn(amax, mul_rn(Float32(6.0), global_scale))
+def div_by(a: Float32, b: Float32, y: Float32, big: float) -> Float32:
+    """``a / b`` rounded to nearest (IEEE), from ``y = rcp_refined(b)`` computed once per divisor:
+    ``div.rn.f32``'s fast path, ``q0 = a * y``, ``q = q0 + y * (a - b * q0)`` (the remainder exact by
+    FMA), which ``ptxas`` emits for ``div.rn`` behind a range check (``FCHK``) and a call to a slow path.
+    Without the check and the call, divisions of a block no longer serialize on a branch each. The
+    check fails only where the quotient overflows or underflows, or an operand is not a normal number:
+    here ``|q0| > big`` (a quotient past every threshold of the caller's rounding, +-inf included)
+    returns ``q0``, whose rounding saturates the same way; NaN stays NaN; an underflowing quotient
+    stays a tiny number of the same sign (or a zero), which the callers round to zero as they do the
+    IEEE one."""
+    return cute.arch.inline_ptx(
+        "{ .reg .f32 q0, r, q1, nb, m; .reg .pred p;\n"
+        "mul.rn.f32 q0, {$r0}, {$r2}; neg.f32 nb, {$r1};\n"
+        "fma.rn.f32 r, nb, q0, {$r0}; fma.rn.f32 q1, {$r2}, r, q0;\n"
+        f"abs.f32 m, q0; setp.gt.f32 p, m, {_f32_hex(big)};\n"
+        "selp.f32 {$w0}, q0, q1, p; }",
+        write_only_types=[Float32],
+        read_only_args=[a, b, y],
+    )
+
+
+def _f32_hex(x: float) -> str:
+    """A PTX fp32 literal (``0f`` and the IEEE bits)."""
+    return "0f%08X" % struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+def _round_e2m1_magnitude(r: Float32) -> Float32:
+    """RNE of ``|r|`` onto {0, .5, 1, 1.5, 2, 3, 4, 6}, saturating (ties to the even code), NaN -> 0.
+
+    The grid step is 0.5 below 2, 1 from 2 and 2 from 4: ``2 ** (e - 1)`` for ``x = |r|`` in
+    ``[2 ** e, 2 ** (e + 1))``, e >= 0 (0.5 below 1 too). Adding ``c = 2 ** (e + 22)``, whose ulp is that
+    step, rounds x to a multiple of it (ties to the even multiple, which is the even code) and
+    subtracting c again is exact; x is clamped to 8 first (past 5 everything gives 6) and the result
+    to 6. 8 instructions (``max(|r|, 0)`` maps NaN to 0). Equal, for every fp32 input, to
+    ``rint(x / step) * step`` of drops v20-v31 and to the threshold chain of drop v19 and before
+    (0.25 < x -> .5, 0.75 <= x -> 1, ..., 5 < x -> 6; tests/kernel_src/cutedsl_megamoe/test_block_quant_bits.py)."""
+    return cute.arch.inline_ptx(
+        "{ .reg .f32 x, c, t; .reg .b32 e;\n"
+        "abs.f32 x, {$r0}; max.f32 x, x, 0f00000000; min.f32 x, x, 0f41000000;\n"  # min(|r|, 8), NaN -> 0
+        "mov.b32 e, x; and.b32 e, e, 0x7F800000; max.u32 e, e, 0x3F800000;\n"  # 2**e, e >= 0
+        "add.u32 e, e, 0x0B000000; mov.b32 c, e;\n"  # c = 2**(e + 22)
+        "add.rn.f32 t, x, c; sub.rn.f32 t, t, c;\n"
+        "min.f32 {$w0}, t, 0f40C00000; }",
+        write_only_types=[Float32],
+        read_only_args=[r],
+    )
+
+
+class Nvfp4Global(NamedTuple):
+    """The per-tensor part of NVFP4 quantization, computed once per kernel (``nvfp4_global``): the
+    global scale ``gs``, ``c6 = 6 * gs`` (the block scale's divisor) and its ``rcp_refined``."""
+
+    gs: Float32
+    c6: Float32
+    y6: Float32
+
+
+def nvfp4_global(global_scale: Float32) -> Nvfp4Global:
+    c6 = mul_rn(Float32(6.0), global_scale)
+    return Nvfp4Global(global_scale, c6, rcp_refined(c6))
+
+
+#: ``div_by`` thresholds: a block scale quotient past 1024 saturates E4M3 (448), an element quotient
+#: past 16 saturates E2M1 (6)
+_E4M3_SATURATED = 1024.0
+_E2M1_SATURATED = 16.0
+
+
+def nvfp4_qdq(vals: list, amax: Float32, g: Nvfp4Global) -> list:
+    """NVFP4 quantize-dequantize of one 16-element block with the global scale of ``g``
+    (``nvfp4_global``): ``bs = RNE_e4m3(amax / (6 * gs))``, ``d = bs * gs``, elements ``RNE_e2m1(v / d)``
+    saturating; returns ``e2m1 * bs`` (exact in BF16; the caller applies ``gs`` to the fp32 accumulator).
+
+    The divisions are IEEE (``div_by``: one reciprocal per block, three instructions per element, no
+    branch), so the result equals ``core.quant``'s bit for bit for global scales in [2**-90, 2**90]
+    (then ``6 * gs`` and ``d``, at least ``2**-9 * gs``, are normal with normal reciprocals), up to the
+    sign of a zero where ``v / d`` underflows."""
+    t = div_by(amax, g.c6, g.y6, _E4M3_SATURATED)
     bs_byte = cute.arch.inline_ptx(
         "{ .reg .b16 q; cvt.rn.satfinite.e4m3x2.f32 q, {$r1}, {$r0}; cvt.u32.u16 {$w0}, q; }",
         write_only_types=[Uint32],
         read_only_args=[t, Float32(0.0)],
     )
     bs = e4m3_to_f32(bs_byte & Uint32(0xFF))
-    d = mul_rn(bs, global_scale)
+    d = mul_rn(bs, g.gs)
     d_safe = _sel(d > Float32(0.0), d, Float32(1.0), Float32)
+    y = rcp_refined(d_safe)
     out = []
     for v in vals:
-        r = div_rn(v, d_safe)
-        m = _round_e2m1_magnitude(cute.arch.fmax(r, -r)) * bs
+        r = div_by(v, d_safe, y, _E2M1_SATURATED)
+        m = _round_e2m1_magnitude(r) * bs
         out.append(_sel(r < Float32(0.0), -m, m, Float32))
     return out
 
@@ -361,7 +430,11 @@ __all__ = [
     "ldmatrix_x4",
     "mxfp8_codes",
     "mxfp8_qdq",
+    "Nvfp4Global",
+    "nvfp4_global",
     "nvfp4_qdq",
+    "rcp_refined",
+    "div_by",
     "nvfp4_scale_multipliers",
     "quad_amax",
     "smem_addr",
