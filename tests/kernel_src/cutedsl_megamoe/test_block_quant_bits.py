@@ -5,6 +5,8 @@ formats."""
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import numpy as np
 import pytest
 import torch
@@ -140,7 +142,7 @@ def _e2m1_threshold_chain(a: np.ndarray) -> np.ndarray:
 
 
 def _e2m1_rint(a: np.ndarray) -> np.ndarray:
-    """``block_quant._round_e2m1_magnitude`` instruction by instruction (PTX max/min return the
+    """The E2M1 magnitude rounding of drops v20-v31: ``rint(x / step) * step`` (PTX max/min return the
     non-NaN operand: np.fmax / np.fmin; cvt.rni: np.rint, ties to even)."""
     x = np.fmax(a, np.float32(0.0))
     p4, p2 = x >= np.float32(4.0), x >= np.float32(2.0)
@@ -150,13 +152,91 @@ def _e2m1_rint(a: np.ndarray) -> np.ndarray:
     return np.fmin(t, np.float32(6.0))
 
 
-def test_e2m1_rounding_by_rint_equals_the_threshold_chain() -> None:
-    # every fp32 within 64 ulps of each threshold and grid point, a dense sweep of [0, 16], specials
+def _e2m1_add_pow2(r: np.ndarray) -> np.ndarray:
+    """``block_quant._round_e2m1_magnitude`` instruction by instruction (float32 adds round to nearest
+    even, as ``add.rn.f32``)."""
+    x = np.fmin(np.fmax(np.abs(r), np.float32(0.0)), np.float32(8.0))
+    e = np.maximum(x.view(np.uint32) & np.uint32(0x7F800000), np.uint32(0x3F800000))
+    c = (e + np.uint32(0x0B000000)).view(np.float32)
+    t = (x + c) - c
+    return np.fmin(t, np.float32(6.0))
+
+
+def test_e2m1_roundings_equal_the_threshold_chain() -> None:
+    # every fp32 within 64 ulps of each threshold and grid point, a dense sweep of [0, 16], specials;
+    # the drop's rounding takes the magnitude itself, so negative inputs too
     points = np.array([0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0], np.float32)
     near = (points.view(np.int32)[:, None] + np.arange(-64, 65, dtype=np.int32)[None, :]).reshape(-1)
     sweep = np.arange(0, np.float32(16.0).view(np.int32), 37, dtype=np.int32)
     special = np.array([0.0, -0.0, np.inf, np.nan, 3e38, 1e-45, 1e-30], np.float32)
     with np.errstate(invalid="ignore", over="ignore"):
         a = np.concatenate([near.view(np.float32), sweep.view(np.float32), special])
-        got, want = _e2m1_rint(a), _e2m1_threshold_chain(a)
-    assert np.array_equal(got, want), a[got != want][:8]
+        want = _e2m1_threshold_chain(a)
+        assert np.array_equal(_e2m1_rint(a), want)
+        got = _e2m1_add_pow2(a)
+        assert np.array_equal(got, want), a[got != want][:8]
+        neg = _e2m1_add_pow2(-a)
+    assert np.array_equal(neg, want), a[neg != want][:8]
+
+
+def _rn32(x: Fraction) -> Fraction:
+    """``x`` rounded to the nearest fp32 (ties to even; subnormals; no overflow in these tests)."""
+    if x == 0:
+        return Fraction(0)
+    mag = abs(x)
+    e = max(mag.numerator.bit_length() - mag.denominator.bit_length() - 1, -126)
+    while Fraction(2) ** (e + 1) <= mag:
+        e += 1
+    while e > -126 and Fraction(2) ** e > mag:
+        e -= 1
+    quantum = Fraction(2) ** (e - 23)
+    n, rest = divmod(mag / quantum, 1)
+    if rest > Fraction(1, 2) or (rest == Fraction(1, 2) and n % 2 == 1):
+        n += 1
+    return (n * quantum) * (1 if x > 0 else -1)
+
+
+def _fma(a: Fraction, b: Fraction, c: Fraction) -> Fraction:
+    return _rn32(a * b + c)
+
+
+def _ulp(x: Fraction) -> Fraction:
+    return Fraction(2) ** (max(abs(x).numerator.bit_length() - abs(x).denominator.bit_length() - 1, -126) - 23)
+
+
+def _div_by(a: Fraction, b: Fraction, y0: Fraction, big: float) -> Fraction:
+    """``block_quant.div_by(a, b, rcp_refined(b))`` with ``rcp.approx`` returning ``y0``, exactly."""
+    y = _fma(y0, _fma(-b, y0, Fraction(1)), y0)
+    q0 = _rn32(a * y)
+    q1 = _fma(y, _fma(-b, q0, a), q0)
+    return q0 if abs(q0) > big else q1
+
+
+def test_division_by_a_hoisted_reciprocal_is_ieee() -> None:
+    """``block_quant.div_by``, replayed in exact arithmetic, equals the IEEE quotient for divisors of the
+    NVFP4 range (block scale times a global scale in [2**-90, 2**90]) and quotients at and around
+    every E2M1 (``big`` 16) and E4M3 (``big`` 1024) rounding threshold, for each reciprocal
+    ``rcp.approx`` may return (within 1 ulp of ``1 / b``, as PTX specifies); past ``big`` it returns a
+    quotient past ``big`` too, which the caller saturates alike."""
+    rng = np.random.default_rng(7)
+    e2m1 = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 1.0, 3.0, 15.9, 16.0, 40.0]
+    e4m3 = [float(v) * 2.0**e for v in (1.0, 1.0625, 1.125, 1.5, 1.9375) for e in range(-10, 9)] + [464.0, 1023.0, 1e4]
+    checked = saturated = 0
+    for _ in range(120):
+        b = _rn32(Fraction(float(rng.uniform(1, 2))) * Fraction(2) ** int(rng.integers(-99, 99)))
+        inv = _rn32(1 / b)
+        for thresholds, big in ((e2m1, 16.0), (e4m3, 1024.0)):
+            for tau in rng.choice(thresholds, 4):
+                base = _rn32(Fraction(float(tau)) * b)
+                for k in (-2, -1, 0, 1, 2):
+                    a = base + k * _ulp(base)
+                    want = _rn32(a / b)
+                    for y0 in (inv - _ulp(inv), inv, inv + _ulp(inv)):
+                        got = _div_by(a, b, y0, big)
+                        if abs(want) <= big / 2:
+                            assert got == want, (a, b, y0)
+                            checked += 1
+                        else:
+                            assert abs(got) > big / 2, (a, b, y0)
+                            saturated += 1
+    assert checked > 4000 and saturated > 100, (checked, saturated)

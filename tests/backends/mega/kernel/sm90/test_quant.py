@@ -430,6 +430,32 @@ def test_four_consumer_warpgroups_share_the_register_file(tmp_path: Path, fmt: s
             assert ops == ["DEALLOC.CTAPOOL 0x18", "TRY_ALLOC.CTAPOOL 0x70"], (name, ops)
 
 
+@pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")
+@pytest.mark.skipif(kernel_resources.find_cuobjdump() is None, reason="needs cuobjdump (pip install .[test])")
+def test_nvfp4_quantization_divides_without_a_branch(tmp_path: Path) -> None:
+    """NVFP4 quantizes the tokens (the gather) and requantizes FC1's output (its epilogue) with IEEE
+    divisions by a reciprocal hoisted per block (``block_quant.div_by``, drop v32): no kernel of the
+    layer has ``div.rn``'s range check (``FCHK``) or its call to the slow path (drop v31's FC1 had 96
+    of each at 128-token tiles)."""
+    lib = _swap_gemm_lib(tmp_path, '{"tile_m": 16, "swap_ab": true}')
+    sass = kernel_resources.kernel_sass(lib)
+    assert any("quant_gather" in name for name in sass), list(sass)
+    for name, code in sass.items():
+        assert not [line for line in code if re.search(r"\b(FCHK|CALL\.REL)", line)], name
+
+
+@pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")
+@pytest.mark.skipif(kernel_resources.find_cuobjdump() is None, reason="needs cuobjdump (pip install .[test])")
+def test_mxfp8_amax_exchange_serves_four_column_groups(tmp_path: Path) -> None:
+    """MXFP8's gated FC1 with 2 atoms per warpgroup (128-token tiles) spreads a 32-feature block over
+    two warps, which trade their partial amax through shared memory between two warpgroup barriers:
+    once per 4 groups of 8 token columns (drop v32; v31: once per group), so 16 groups take 8 barrier
+    waits (``BAR.SYNC`` of 128 threads); FC2 does not requantize and has none."""
+    fc1, fc2 = _swap_gemm_sass(tmp_path, '{"tile_m": 128, "swap_ab": true}', "mxfp8")
+    exchange = [sum(1 for line in gemm if re.search(r"\bBAR\.SYNC\S*\s+\S+, 0x80$", line)) for gemm in (fc1, fc2)]
+    assert exchange == [2 * (128 // 8) // 4, 0]
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_gather_in_fc1_sizes_the_token_rows(fmt: str) -> None:
     """``gather_in_fc1``: the workspace adds ``x_rows``, one prepared row per token of the capacity (one
