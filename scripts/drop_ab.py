@@ -12,7 +12,8 @@ rounds). A drop that changes the packed weight layout needs ``--other-src`` as w
 ``src/`` directory, whose weight packing then prepares the second layer's weights, so each layer runs
 on its own layout (and an exact change still gives bitwise equal outputs). Then, per T: both outputs
 on the same inputs (``bitwise`` or the largest difference), and the median ms of each, timed
-interleaved in rounds over rotating inputs so that clock drift reaches both alike. World size 1;
+interleaved in rounds over rotating inputs so that clock drift reaches both alike (``--graph``: each
+call replayed from a CUDA graph, the GPU's time without the host's launch path). World size 1;
 random weights and inputs, never zeros. GPU machine:
 
     here:  git worktree add /tmp/old <rev> && (cd /tmp/old && CUTE_DSL_ARCH=sm_90a python -m flashinfer.moe_ep
@@ -93,6 +94,21 @@ def other_packer(src: Path) -> Any:
     return importlib.import_module("other_drop_src.moe_quant_glu.weights").pack_quantized_weights
 
 
+def graph_replays(fn: Any, sets: int) -> Any:
+    """``fn(i)`` (one layer call on input set i) captured into one CUDA graph per set (after a warm-up
+    call each): a function replaying graph i."""
+    for i in range(sets):
+        fn(i)
+    torch.cuda.synchronize()
+    graphs = []
+    for i in range(sets):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn(i)
+        graphs.append(g)
+    return lambda i: graphs[i].replay()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--other", type=Path, default=None, help="kernel cache built from the other drop")
@@ -108,6 +124,9 @@ def main() -> int:
     p.add_argument("--sets", type=int, default=3, help="rotating input sets")
     p.add_argument("--rounds", type=int, default=6, help="interleaved rounds of --iters launches per layer")
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--graph", action="store_true",
+                   help="time each call replayed from a CUDA graph (one per input set): the GPU's time without "
+                        "the host's launch path, which a lone call at T <= 4 is bound by")  # fmt: skip
     args = p.parse_args()
     dev = torch.device("cuda")
     entry, _ = choose_backend(args.backend, dev)
@@ -155,14 +174,17 @@ def main() -> int:
                 for i, s in enumerate(feed):
                     layer.forward(s, output=outs[lab][i])
             torch.cuda.synchronize()
+            calls = {}
+            for lab, layer in layers.items():
+
+                def fn(i: int, layer: Any = layer, feed: list = feed, out: list = outs[lab]) -> Any:
+                    return layer.forward(feed[i], output=out[i])
+
+                calls[lab] = graph_replays(fn, args.sets) if args.graph else fn
             times: dict[str, list[float]] = {lab: [] for lab in layers}
             for _ in range(args.rounds):
-                for lab, layer in layers.items():
-
-                    def fn(i: int, layer: Any = layer, feed: list = feed, out: list = outs[lab]) -> Any:
-                        return layer.forward(feed[i], output=out[i])
-
-                    times[lab] += launch_times_ms(fn, args.iters, args.sets)
+                for lab in layers:
+                    times[lab] += launch_times_ms(calls[lab], args.iters, args.sets)
             ms = {lab: statistics.median(v) for lab, v in times.items()}
             for lab in list(layers)[1:]:
                 diff = max(float((a.float() - b.float()).abs().max()) if t else 0.0
@@ -176,7 +198,8 @@ def main() -> int:
             layer.destroy()
         del w13, w2
         torch.cuda.empty_cache()
-    print(f"\n{args.backend}: ours against the {what}, median ms ({args.rounds} x {args.iters} interleaved launches)")
+    how = "graph replays" if args.graph else "launches"
+    print(f"\n{args.backend}: ours against the {what}, median ms ({args.rounds} x {args.iters} interleaved {how})")
     if len(candidates) > 1:
         print("\n".join(f"k{i + 1} = {json.dumps(k)}" for i, k in enumerate(candidates)))
     print(f"{'contract':16s} {'T':>6s} {'other':>6s} {'ours':>9s} {'other':>9s} {'x other':>8s}  outputs")
