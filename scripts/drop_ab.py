@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import flashinfer.moe_ep as moe
 from flashinfer.moe_ep.cli.backends import choose_backend
-from flashinfer.moe_ep.cli.bench import launch_times_ms, make_bench_layer
+from flashinfer.moe_ep.cli.bench import graph_replays, launch_times_ms, make_bench_layer
 from flashinfer.moe_ep.core.contracts import get_contract
 from flashinfer.moe_ep.core.inputs import make_contract_weights, make_hidden_states, make_topk
 from flashinfer.moe_ep.kernel_src.cutedsl_megamoe.shim import frontend, kernel_cache
@@ -92,21 +92,6 @@ def other_packer(src: Path) -> Any:
     sys.modules["other_drop_src"] = pkg
     spec.loader.exec_module(pkg)
     return importlib.import_module("other_drop_src.moe_quant_glu.weights").pack_quantized_weights
-
-
-def graph_replays(fn: Any, sets: int) -> Any:
-    """``fn(i)`` (one layer call on input set i) captured into one CUDA graph per set (after a warm-up
-    call each): a function replaying graph i."""
-    for i in range(sets):
-        fn(i)
-    torch.cuda.synchronize()
-    graphs = []
-    for i in range(sets):
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn(i)
-        graphs.append(g)
-    return lambda i: graphs[i].replay()
 
 
 def main() -> int:
@@ -180,7 +165,7 @@ def main() -> int:
                 def fn(i: int, layer: Any = layer, feed: list = feed, out: list = outs[lab]) -> Any:
                     return layer.forward(feed[i], output=out[i])
 
-                calls[lab] = graph_replays(fn, args.sets) if args.graph else fn
+                calls[lab] = graph_replays([fn], args.sets) if args.graph else fn
             times: dict[str, list[float]] = {lab: [] for lab in layers}
             for _ in range(args.rounds):
                 for lab in layers:

@@ -130,10 +130,9 @@ def _time_ms(fn: Any, iters: int, sets: int) -> float:
     return statistics.median(launch_times_ms(fn, iters, sets))
 
 
-def _graph_time_ms(fns: list[Any], iters: int, sets: int) -> float:
-    """Like ``_time_ms`` for the calls ``fns`` (one per layer, in order) captured into one CUDA graph per
-    input set and replayed (no host launch overhead inside the timed region), per layer: the replay time
-    over ``len(fns)``. Warm-up eager calls first, as a layer needs."""
+def graph_replays(fns: list[Any], sets: int) -> Any:
+    """The calls ``fns`` (one per layer, in order) on input set i captured into one CUDA graph per set,
+    after warm-up eager calls (as a layer needs): a function ``i -> replay graph i``."""
     for i in range(sets):
         for fn in fns:
             fn(i)
@@ -145,7 +144,14 @@ def _graph_time_ms(fns: list[Any], iters: int, sets: int) -> float:
             for fn in fns:
                 fn(i)
         graphs.append(g)
-    return _time_ms(lambda i: graphs[i].replay(), iters, sets) / len(fns)
+    return lambda i: graphs[i].replay()
+
+
+def _graph_time_ms(fns: list[Any], iters: int, sets: int) -> float:
+    """Like ``_time_ms`` for the calls ``fns`` (one per layer, in order) replayed from CUDA graphs
+    (``graph_replays``: no host launch overhead inside the timed region), per layer: the replay time
+    over ``len(fns)``."""
+    return _time_ms(graph_replays(fns, sets), iters, sets) / len(fns)
 
 
 def _eager_layers_time_ms(fns: list[Any], iters: int, sets: int) -> float:
