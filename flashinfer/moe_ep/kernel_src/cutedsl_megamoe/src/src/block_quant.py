@@ -282,11 +282,6 @@ def mxfp8_codes(vals: list, amax: Float32) -> tuple[Uint32, list]:
     return sbyte, words
 
 
-def div_rn(a: Float32, b: Float32) -> Float32:
-    """IEEE fp32 division (the reference's ``/``), independent of any fast-math setting."""
-    return cute.arch.inline_ptx("div.rn.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32], read_only_args=[a, b])
-
-
 def mul_rn(a: Float32, b: Float32) -> Float32:
     return cute.arch.inline_ptx("mul.rn.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32], read_only_args=[a, b])
 
@@ -353,8 +348,9 @@ def _round_e2m1_magnitude(r: Float32) -> Float32:
 
 
 class Nvfp4Global(NamedTuple):
-    """The per-tensor part of NVFP4 quantization, computed once per kernel (``nvfp4_global``): the
-    global scale ``gs``, ``c6 = 6 * gs`` (the block scale's divisor) and its ``rcp_refined``."""
+    """The per-tensor part of NVFP4 quantization, computed outside the blocks' loops (``nvfp4_global``:
+    once per kernel in the gathers, once per tile in the GEMM epilogues): the global scale ``gs``,
+    ``c6 = 6 * gs`` (the block scale's divisor) and its ``rcp_refined``."""
 
     gs: Float32
     c6: Float32
