@@ -21,6 +21,10 @@ random weights and inputs, never zeros. GPU machine:
     there: source .gpu/env.sh && FLASHINFER_MOE_EP_KERNEL_CACHE=.kcache python scripts/drop_ab.py \\
            --other .kcache-old --contract qwen3-30b-a3b --backend sm90_nvfp4_nvfp4_bf16_cutedsl --tokens 4096
     or:    ... python scripts/drop_ab.py --other-knobs '{"tile_m": 16, "swap_ab": true, "swap_atoms": 2}' ...
+    or, per token bucket: ``--bucket-overrides '{"swap_wg": 4, "swap_atoms": 1}'``: at each T, the knobs
+           that serve T (``frontend_for``) against the same knobs with these changed (explicit knobs, a
+           layer per bucket and change); build them here first with ``python -m flashinfer.moe_ep build
+           ... --bucket-overrides <the same JSON>``
     layout: mkdir .drop-old && git archive <rev> flashinfer/moe_ep/kernel_src/cutedsl_megamoe/src | tar -x
            -C .drop-old --strip-components 4, then add --other-src .drop-old/src (carry it to the GPU)
 """
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import statistics
@@ -100,6 +105,9 @@ def main() -> int:
     p.add_argument("--other-knobs", nargs="+", default=None,
                    help="JSON knobs of the second layer (default: --knobs); several: one layer each, "
                         "every one timed against ours in the same rounds")  # fmt: skip
+    p.add_argument("--bucket-overrides", nargs="+", default=None, metavar="JSON",
+                   help="at each T, the serving bucket's knobs against those knobs with these changes (one layer "
+                        "per bucket and change); build them first: build --bucket-overrides")  # fmt: skip
     p.add_argument("--other-src", type=Path, default=None,
                    help="the other drop's src/ directory: its weight packing prepares the second layer")  # fmt: skip
     p.add_argument("--contract", nargs="+", required=True)
@@ -115,8 +123,11 @@ def main() -> int:
     args = p.parse_args()
     dev = torch.device("cuda")
     entry, _ = choose_backend(args.backend, dev)
-    if args.other is None and args.other_knobs is None:
-        p.error("give --other (another drop's kernel cache), --other-knobs, or both")
+    if args.bucket_overrides is not None and (args.other is not None or args.other_knobs is not None):
+        p.error("--bucket-overrides is a knob A/B of its own (not with --other or --other-knobs)")
+    if args.other is None and args.other_knobs is None and args.bucket_overrides is None:
+        p.error("give --other (another drop's kernel cache), --other-knobs (or both), or --bucket-overrides")
+    changes = [json.loads(k) for k in args.bucket_overrides or []]
     knobs = json.loads(args.knobs) if args.knobs else None
     candidates = [json.loads(k) for k in args.other_knobs] if args.other_knobs else [knobs]
     if args.other is not None and len(candidates) > 1:
@@ -130,6 +141,7 @@ def main() -> int:
     what = " and ".join(
         ([f"drop of {args.other}"] if other is not None else [])
         + ([f"knobs {' / '.join(map(str, candidates))}"] if args.other_knobs else [])
+        + ([f"bucket's knobs with {' / '.join(map(json.dumps, changes))}"] if changes else [])
     )
     rows = []
     for name in args.contract:
@@ -138,7 +150,8 @@ def main() -> int:
         # the same calibration batch for both layers: one generator each, seeded alike
         cap = max(args.tokens)
         layers = {"ours": make_bench_layer(c, entry, w13, w2, knobs, cap, torch.Generator().manual_seed(7))[0]}
-        for i, cand in enumerate(candidates):
+        by_knobs: dict[str, Any] = {}  # --bucket-overrides: one layer per explicit knob set
+        for i, cand in enumerate(candidates if not changes else []):
             lab = "theirs" if len(candidates) == 1 else f"k{i + 1}"
             with OtherDropLoader(other, pack) if other is not None else contextlib.nullcontext() as loader:
                 layers[lab] = make_bench_layer(c, entry, w13, w2, cand, cap, torch.Generator().manual_seed(7))[0]
@@ -148,30 +161,41 @@ def main() -> int:
                 print(f"{name}: the other drop's layer runs {len(set(loader.loaded))} of its libraries")
         gen = torch.Generator().manual_seed(11)
         for t in args.tokens:
+            at = layers  # the layers timed at T: ours and the others, or ours and its bucket's knob changes
+            if changes:
+                serving = dataclasses.asdict(layers["ours"].backend.frontend_for(t).knobs)
+                print(f"  {name} T={t}: bucket knobs {json.dumps(serving)}", flush=True)
+                at = {"ours": layers["ours"]}
+                for i, change in enumerate(changes):
+                    text = json.dumps({**serving, **change}, sort_keys=True)
+                    if text not in by_knobs:
+                        gen = torch.Generator().manual_seed(7)
+                        by_knobs[text] = make_bench_layer(c, entry, w13, w2, json.loads(text), cap, gen)[0]
+                    at[f"k{i + 1}"] = by_knobs[text]
             feed = []
             for _ in range(args.sets):
                 x = make_hidden_states(t, c.hidden_size, generator=gen, device=dev)
                 ids, w = make_topk(t, c.num_experts, c.top_k, generator=gen, device=dev)
                 feed.append(moe.MoEEpTensors(x, ids, w))
             outs = {lab: [torch.full((t, c.hidden_size), float("nan"), dtype=torch.bfloat16, device=dev)
-                          for _ in feed] for lab in layers}  # fmt: skip
-            for lab, layer in layers.items():
+                          for _ in feed] for lab in at}  # fmt: skip
+            for lab, layer in at.items():
                 for i, s in enumerate(feed):
                     layer.forward(s, output=outs[lab][i])
             torch.cuda.synchronize()
             calls = {}
-            for lab, layer in layers.items():
+            for lab, layer in at.items():
 
                 def fn(i: int, layer: Any = layer, feed: list = feed, out: list = outs[lab]) -> Any:
                     return layer.forward(feed[i], output=out[i])
 
                 calls[lab] = graph_replays([fn], args.sets) if args.graph else fn
-            times: dict[str, list[float]] = {lab: [] for lab in layers}
+            times: dict[str, list[float]] = {lab: [] for lab in at}
             for _ in range(args.rounds):
-                for lab in layers:
+                for lab in at:
                     times[lab] += launch_times_ms(calls[lab], args.iters, args.sets)
             ms = {lab: statistics.median(v) for lab, v in times.items()}
-            for lab in list(layers)[1:]:
+            for lab in list(at)[1:]:
                 diff = max(float((a.float() - b.float()).abs().max()) if t else 0.0
                            for a, b in zip(outs["ours"], outs[lab], strict=True))  # fmt: skip
                 same = all(torch.equal(a, b) for a, b in zip(outs["ours"], outs[lab], strict=True))
@@ -179,13 +203,15 @@ def main() -> int:
                 verdict = "bitwise equal" if same else f"differ (max {diff:.3g})"
                 print(f"  {name} T={t} {lab}: ours {ms['ours']:.4f} ms, other {ms[lab]:.4f} ms, "
                       f"x{ms[lab] / ms['ours']:.3f}, outputs {verdict}", flush=True)  # fmt: skip
-        for layer in layers.values():
+        for layer in [*layers.values(), *by_knobs.values()]:
             layer.destroy()
         del w13, w2
         torch.cuda.empty_cache()
     how = "graph replays" if args.graph else "launches"
     print(f"\n{args.backend}: ours against the {what}, median ms ({args.rounds} x {args.iters} interleaved {how})")
-    if len(candidates) > 1:
+    if changes:
+        print("\n".join(f"k{i + 1} = the bucket's knobs with {json.dumps(k)}" for i, k in enumerate(changes)))
+    elif len(candidates) > 1:
         print("\n".join(f"k{i + 1} = {json.dumps(k)}" for i, k in enumerate(candidates)))
     print(f"{'contract':16s} {'T':>6s} {'other':>6s} {'ours':>9s} {'other':>9s} {'x other':>8s}  outputs")
     for name, t, lab, a, b, r, same, diff in rows:

@@ -1,4 +1,5 @@
 import importlib.metadata as md
+import json
 
 import pytest
 import torch
@@ -111,3 +112,39 @@ def test_bench_eager_layers_run_back_to_back_and_report_per_layer(monkeypatch) -
     warmup, timed = calls[:6], calls[6:]
     assert warmup == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
     assert timed == [(n, i % 2) for i in range(4) for n in range(3)]
+
+
+@pytest.mark.parametrize("backend", ["sm90_bf16_bf16_bf16_cutedsl", "sm90_nvfp4_nvfp4_bf16_cutedsl"])
+def test_build_bucket_overrides_adds_each_buckets_changed_knobs(backend: str, monkeypatch, capsys) -> None:
+    """``build --bucket-overrides``: every token bucket's kernel and, per JSON, the same kernel with those
+    knobs changed (``KernelFrontend.with_knobs``: same family and geometry); a change a bucket cannot take
+    is reported and left out; an unknown knob, bad JSON or world size > 1 is an error. No compile: the
+    frontends' ``build`` is recorded."""
+    from flashinfer.moe_ep.kernel_src.cutedsl_megamoe.shim.frontend import KernelFrontend
+
+    built: list[KernelFrontend] = []
+    monkeypatch.setattr(KernelFrontend, "build", lambda self, root=None, force=False: built.append(self) or "lib")
+    monkeypatch.setenv("FLASHINFER_MOE_EP_KNOB_CACHE", "off")
+    shape = ["--backend", backend, "--hidden", "256", "--intermediate", "128", "--experts", "16", "--top-k", "4"]
+    bf16 = backend.startswith("sm90_bf16")
+    change = {"fc2_tile_n": 64} if bf16 else {"swap_wg": 4, "swap_atoms": 1}
+    bad = {"tile_m": 100}  # no bucket takes it
+    assert main(["build", *shape]) == 0
+    base = list(built)
+    built.clear()
+    assert main(["build", *shape, "--bucket-overrides", json.dumps(change), json.dumps(bad)]) == 0
+    assert [fe.key for fe in built[: len(base)]] == [fe.key for fe in base]
+    changed = built[len(base) :]
+    assert changed, "no bucket took the change"
+    for fe in changed:
+        assert type(fe) in {type(b) for b in base} and fe.geometry == base[0].geometry
+        assert all(getattr(fe.knobs, k) == v for k, v in change.items())
+        # the bucket it came from: the same knobs but for the change
+        assert any(fe.with_knobs(**{k: getattr(b.knobs, k) for k in change}).key == b.key for b in base)
+    out = capsys.readouterr().out
+    assert f"+ {json.dumps(bad)}: skipped" in out
+    for args in (['{"no_such_knob": 1}'], ["{not json"], ["{}"]):
+        assert main(["build", *shape, "--bucket-overrides", *args]) == 2
+    assert main(["build", *shape, "--world-size", "2", "--bucket-overrides", json.dumps(change)]) == 2
+    with pytest.raises(ValueError):
+        base[0].with_knobs(tile_m=100)

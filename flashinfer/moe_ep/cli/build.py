@@ -41,6 +41,14 @@ def add_parser(sub: Any) -> None:
         "--prequantized-input", action="store_true", help="block-scaled backends: activations given as codes and scales"
     )
     p.add_argument("--knobs", default=None, help="JSON knobs, e.g. '{\"tile_m\": 64}' (default: the defaults)")
+    p.add_argument(
+        "--bucket-overrides",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="world size 1: also build each token bucket's kernel with these knobs changed, one variant per JSON "
+        '(e.g. \'{"swap_wg": 4, "swap_atoms": 1}\'); what scripts/drop_ab.py --bucket-overrides runs',
+    )
     p.add_argument("--cache", default=None, help="cache directory (default: $FLASHINFER_MOE_EP_KERNEL_CACHE)")
     p.add_argument(
         "--max-tokens",
@@ -151,15 +159,43 @@ class _ResourceReport:
         return 0
 
 
+def _override_jobs(jobs: list[tuple[str, Any]], overrides: list[str] | None) -> list[tuple[str, Any]]:
+    """``jobs`` and, per JSON of ``overrides``, each job's frontend with those knobs changed; a bucket whose
+    knobs cannot take a change is reported and left out (the A/B has no such point)."""
+    if not overrides:
+        return jobs
+    changes = []
+    for text in overrides:
+        try:
+            change = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise MoEEpConfigError(f"--bucket-overrides: not JSON: {text!r} ({exc})") from None
+        if not isinstance(change, dict) or not change:
+            raise MoEEpConfigError(f"--bucket-overrides: want a non-empty JSON object of knobs, got {text!r}")
+        changes.append(change)
+    out = list(jobs)
+    for label, fe in jobs:
+        for change in changes:
+            try:
+                out.append((f"{label} + {json.dumps(change)}", fe.with_knobs(**change)))
+            except TypeError as exc:  # a knob this family does not have: every bucket would fail alike
+                raise MoEEpConfigError(f"--bucket-overrides {json.dumps(change)}: {exc}") from None
+            except (ValueError, MoEEpConfigError) as exc:
+                print(f"build: {label} + {json.dumps(change)}: skipped ({exc})")
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     report = _ResourceReport(args.resources)
+    if args.bucket_overrides and (args.world_size > 1 or args.knobs):
+        raise MoEEpConfigError("--bucket-overrides changes the token buckets' knobs at world size 1 (no --knobs)")
     root = Path(args.cache).expanduser() if args.cache else None
     if args.prequantized_input and args.backend not in BLOCK_SCALED:
         raise MoEEpConfigError("--prequantized-input applies to the block-scaled backends (--backend ...mxfp8/nvfp4)")
     if args.backend in BLOCK_SCALED:
-        qjobs = _block_scaled_jobs(args)
+        qjobs = _override_jobs(_block_scaled_jobs(args), args.bucket_overrides)
         print(f"build: {len(qjobs)} kernel(s) for {args.arch} ({args.backend})")
         for i, (label, fe) in enumerate(qjobs, 1):
             t0 = time.perf_counter()
@@ -177,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
         for fe in tuning.distinct(frontends.values()):
             buckets = [b for b, f in frontends.items() if f is fe]
             jobs.append((f"{name} [{'/'.join(buckets)}]", fe))
+    jobs = _override_jobs(jobs, args.bucket_overrides)
     print(f"build: {len(jobs)} kernel(s) for {args.arch} (layer capacity {args.max_tokens} tokens)")
     for i, (label, fe) in enumerate(jobs, 1):
         t0 = time.perf_counter()

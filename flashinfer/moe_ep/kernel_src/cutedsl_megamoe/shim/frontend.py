@@ -15,7 +15,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -99,6 +99,14 @@ class KernelFrontend(abc.ABC):
         """``BufferSpec``s (name, shape, dtype name) in call order."""
 
     # -- shared -------------------------------------------------------------------------------------
+    def with_knobs(self, **changes: Any) -> KernelFrontend:
+        """A frontend of the same kernel family and geometry with ``changes`` over these knobs (a knob A/B
+        of one bucket: ``build --bucket-overrides``, ``scripts/drop_ab.py --bucket-overrides``). Raises
+        ValueError (``check``) where the knobs cannot serve the geometry, or TypeError for an unknown knob."""
+        fe = type(self)(self.geometry, replace(self.knobs, **changes), arch=self.arch)
+        fe.check()
+        return fe
+
     def glu_kwargs(self) -> dict[str, Any]:
         """The constructor keywords every GLU MoE kernel of the drop takes from the geometry and the
         knobs (BF16 and block-scaled, world size 1 and EP); each frontend adds its own."""

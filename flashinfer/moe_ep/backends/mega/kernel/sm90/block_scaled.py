@@ -165,12 +165,21 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
             load_kernel(fe)
         warmup_forward(self)
 
+    def _bucket(self, tokens: int) -> str:
+        """The token bucket of a forward of ``tokens`` rows (host-side shapes: no device sync)."""
+        c = self.config
+        return token_bucket(tokens, c.top_k, self.num_local_experts, c.weight_format, self.frontends)
+
+    def frontend_for(self, tokens: int) -> Any:
+        """The drop frontend (kernel and knobs) that serves a forward of ``tokens`` rows: its token
+        bucket's (``scripts/drop_ab.py --bucket-overrides`` starts from its knobs)."""
+        return self.frontends[self._bucket(tokens)]
+
     def compute(self, staged: MoEEpTensors, output: torch.Tensor) -> torch.Tensor:
         t = staged.hidden_states.shape[0]
         if t == 0:
             return output
-        # host-side shapes: no device sync
-        bucket = token_bucket(t, self.config.top_k, self.num_local_experts, self.config.weight_format, self.frontends)
+        bucket = self._bucket(t)
         frontend = self.frontends[bucket]
         load_kernel(frontend)
         assert self.act_gscale is not None

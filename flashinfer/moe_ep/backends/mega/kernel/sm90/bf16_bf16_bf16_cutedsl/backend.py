@@ -136,6 +136,11 @@ class Sm90Bf16CutedslBackend(MegaKernelBackend):
             load_kernel(fe)
         warmup_forward(self)
 
+    def frontend_for(self, tokens: int) -> Any:
+        """The drop frontend (kernel and knobs) that serves a forward of ``tokens`` rows: its token
+        bucket's (``scripts/drop_ab.py --bucket-overrides`` starts from its knobs)."""
+        return self._by_bucket[_bucket_of(tokens)][0]
+
     def compute(self, staged: MoEEpTensors, output: torch.Tensor) -> torch.Tensor:
         t = staged.hidden_states.shape[0]
         if t == 0:
