@@ -287,9 +287,11 @@ def multigpu(
     skip_tests: bool,
     layer_test: bool,
     profile: list[str] = (),
+    out: Path | None = None,
 ) -> int:
     """On a machine of ``world`` GPUs: the torchrun multirank tests, then scripts/ep_bench.py; each step
-    under a deadline, so one hang cannot eat the call. ``layer_test``: also the loopback EP layer test."""
+    under a deadline, so one hang cannot eat the call. ``layer_test``: also the loopback EP layer test.
+    An ``auto`` knob spec records its tuned knobs in ``out/ep_knobs.json`` (the bench's knob cache)."""
     env = {**os.environ, "FLASHINFER_MOE_EP_KERNEL_CACHE": str(cache)}
     env.setdefault("NVSHMEM_SYMMETRIC_SIZE", "10G")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
@@ -304,6 +306,9 @@ def multigpu(
             steps.append((f"loopback {Path(path).stem}", pytest, 150))
     if bench_tokens:
         bench = [*torchrun, "scripts/ep_bench.py", "--tokens", *bench_tokens, "--knobs", *knobs, "--profile", *profile]
+        if "auto" in knobs and out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            bench += ["--knob-cache", str(out / "ep_knobs.json")]
         steps.append(("EP bench", bench, 300))
         for fmt in ("mxfp8", "nvfp4"):  # the quantized EP layers, default knobs
             steps.append((f"EP bench {fmt}", [*torchrun, "scripts/ep_bench.py", "--tokens", *bench_tokens,
@@ -360,7 +365,7 @@ def main() -> int:
         shard = tuple(int(v) for v in a.shard.split("/")) if a.shard else None
         return build(a.cache, a.tune_contracts, a.only, a.ep_worlds, a.jobs, shard, a.bench_only)
     if a.what == "multigpu":
-        return multigpu(a.cache, a.world, a.ep_tokens, a.ep_knobs, a.skip_tests, a.layer_test, a.ep_profile)
+        return multigpu(a.cache, a.world, a.ep_tokens, a.ep_knobs, a.skip_tests, a.layer_test, a.ep_profile, a.out)
     return run(a.cache, a.bench_tokens, a.out, a.skip_tests, a.skip_bench)
 
 

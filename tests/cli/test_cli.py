@@ -148,3 +148,33 @@ def test_build_bucket_overrides_adds_each_buckets_changed_knobs(backend: str, mo
     assert main(["build", *shape, "--world-size", "2", "--bucket-overrides", json.dumps(change)]) == 2
     with pytest.raises(ValueError):
         base[0].with_knobs(tile_m=100)
+
+
+def test_gpu_session_multigpu_keeps_the_auto_knobs(monkeypatch, tmp_path) -> None:
+    """``gpu_session.py multigpu --ep-knobs ... auto``: the EP bench records what ``auto`` tuned in
+    ``$OUT/ep_knobs.json`` (its knob cache); without ``auto`` no knob cache is written. No process runs:
+    the commands are recorded."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "gpu_session.py"
+    spec = importlib.util.spec_from_file_location("gpu_session_under_test", path)
+    gs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gs)
+    cmds: list[list[str]] = []
+
+    class Done:
+        pid = 0
+
+        def __init__(self, cmd: list[str], **kw: object) -> None:
+            cmds.append(cmd)
+
+        def wait(self, timeout: float | None = None) -> int:
+            return 0
+
+    monkeypatch.setattr(gs.subprocess, "Popen", Done)
+    for knobs, cache in ((["default", "auto"], str(tmp_path / "ep_knobs.json")), (["default"], None)):
+        cmds.clear()
+        assert gs.multigpu(tmp_path, 2, ["8"], knobs, True, False, [], tmp_path) == 0
+        bench = next(c for c in cmds if "--knobs" in c)
+        assert (bench[bench.index("--knob-cache") + 1] if "--knob-cache" in bench else None) == cache
