@@ -120,10 +120,12 @@ def test_build_bucket_overrides_adds_each_buckets_changed_knobs(backend: str, mo
     knobs changed (``KernelFrontend.with_knobs``: same family and geometry); a change a bucket cannot take
     is reported and left out; an unknown knob, bad JSON or world size > 1 is an error. No compile: the
     frontends' ``build`` is recorded."""
-    from flashinfer.moe_ep.kernel_src.cutedsl_megamoe.shim.frontend import KernelFrontend
+    from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
 
-    built: list[KernelFrontend] = []
-    monkeypatch.setattr(KernelFrontend, "build", lambda self, root=None, force=False: built.append(self) or "lib")
+    built: list[drop.frontend.KernelFrontend] = []
+    monkeypatch.setattr(
+        drop.frontend.KernelFrontend, "build", lambda self, root=None, force=False: built.append(self) or "lib"
+    )
     monkeypatch.setenv("FLASHINFER_MOE_EP_KNOB_CACHE", "off")
     shape = ["--backend", backend, "--hidden", "256", "--intermediate", "128", "--experts", "16", "--top-k", "4"]
     bf16 = backend.startswith("sm90_bf16")
