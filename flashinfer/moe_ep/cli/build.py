@@ -61,8 +61,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--resources",
         action="store_true",
-        help="list every kernel's registers, local memory (spills) and static shared memory (needs cuobjdump: "
-        "a CUDA toolkit or `pip install nvidia-cuda-cuobjdump`); exit 1 if a kernel spills",
+        help="list every kernel's registers, stack frame + local memory (spills) and static shared memory "
+        "(needs cuobjdump: a CUDA toolkit or `pip install nvidia-cuda-cuobjdump`); exit 1 if a kernel spills",
     )
     p.set_defaults(func=run)
 
@@ -147,13 +147,13 @@ class _ResourceReport:
             return
         resources = self.mod.kernel_resources(lib, self.tool)  # type: ignore[arg-type]
         print(self.mod.describe(resources), flush=True)
-        self.spilling += [f"{label}: {r.short_name} ({r.local} B local)" for r in resources if r.local]
+        self.spilling += [f"{label}: {r.short_name} ({r.spill_bytes} B stack + local)" for r in resources if r.spills]
 
     def status(self) -> int:
         if self.tool is None:
             return 0
         if self.spilling:
-            print("kernels spilling registers to local memory:\n  " + "\n  ".join(self.spilling))
+            print("kernels spilling registers (stack frame or local memory):\n  " + "\n  ".join(self.spilling))
             return 1
         print("resources: no kernel spills")
         return 0

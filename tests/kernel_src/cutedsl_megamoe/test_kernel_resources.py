@@ -119,8 +119,8 @@ def test_sass_without_a_disassembler_names_the_install(tmp_path: Path) -> None:
 @pytest.mark.skipif(kr.find_cuobjdump() is None, reason="needs cuobjdump (pip install .[test])")
 def test_resources_of_a_built_library(tmp_path: Path) -> None:
     """``build --resources`` on the tiny contract (its own process: cutlass takes the target arch at
-    import): the decode chain's kernels in launch order, registers within the hardware limit, nothing
-    in local memory."""
+    import): the decode chain's kernels in launch order, registers within the hardware limit, no spill
+    (stack frame and local memory within ``SPILL_TOLERANCE_BYTES``)."""
     cmd = [sys.executable, "-m", "flashinfer.moe_ep", "build", "--contract", "tiny", "--cache", str(tmp_path)]
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
     run = subprocess.run([*cmd, "--resources"], env=env, capture_output=True, text=True, timeout=600)
@@ -130,7 +130,7 @@ def test_resources_of_a_built_library(tmp_path: Path) -> None:
     resources = kr.kernel_resources(lib)
     names = [r.short_name.split("#")[0] for r in resources]
     assert names[0] == "route_kernel" and names.count("GroupedGemmSm90") == 2 and names[-1] == "combine_kernel"
-    assert all(0 < r.registers <= 255 and r.local == 0 for r in resources)
+    assert all(0 < r.registers <= 255 and not r.spills for r in resources)
     # The SASS of two libraries: a library against itself is identical kernel by kernel; the decode and
     # the prefill buckets' libraries (other tiles) are not.
     libs = sorted(tmp_path.glob("moe_bf16_glu-*/*.so"))

@@ -24,18 +24,34 @@ from pathlib import Path
 
 #: ELF ``e_machine`` of NVIDIA CUDA device code
 EM_CUDA = 190
+#: Stack frame plus local memory per thread that still counts as no spill: a few saved registers (the
+#: combine kernel keeps 8 bytes, two values, at its 128-register cap). Real spills are far above it
+#: (the swap-AB GEMM with four warpgroups of 2 atoms: 32 bytes at 64-token tiles, 1.3 KB at 128, and 17x
+#: slower; TUNING.md, session 22).
+SPILL_TOLERANCE_BYTES = 16
 
 
 @dataclass(frozen=True)
 class KernelResources:
-    """One kernel's resources: registers per thread, stack and local memory bytes per thread (local
-    memory > 0 means spilled registers or a local array), static shared memory bytes per CTA."""
+    """One kernel's resources: registers per thread, stack frame and local memory bytes per thread,
+    static shared memory bytes per CTA. ptxas puts spilled registers in the stack frame (``STL`` /
+    ``LDL`` through the stack pointer), so both count (``spill_bytes``)."""
 
     name: str
     registers: int
     stack: int
     local: int
     shared: int
+
+    @property
+    def spill_bytes(self) -> int:
+        """Stack frame plus local memory per thread: spilled registers (or a local array)."""
+        return self.stack + self.local
+
+    @property
+    def spills(self) -> bool:
+        """More than ``SPILL_TOLERANCE_BYTES`` of stack frame and local memory per thread."""
+        return self.spill_bytes > SPILL_TOLERANCE_BYTES
 
     @property
     def short_name(self) -> str:
@@ -194,11 +210,13 @@ def _ordinal(name: str) -> int:
 
 
 def describe(resources: list[KernelResources]) -> str:
-    """One line per kernel: registers, local memory (spills flagged), static shared memory."""
+    """One line per kernel: registers, stack frame + local memory (spills flagged), static shared memory."""
     rows = []
     for r in resources:
-        spill = "  SPILLS" if r.local else ""
-        rows.append(f"  {r.short_name:32s} {r.registers:4d} regs  local {r.local:5d} B  smem {r.shared:6d} B{spill}")
+        spill = "  SPILLS" if r.spills else ""
+        rows.append(
+            f"  {r.short_name:32s} {r.registers:4d} regs  stack+local {r.spill_bytes:5d} B  smem {r.shared:6d} B{spill}"
+        )
     return "\n".join(rows)
 
 

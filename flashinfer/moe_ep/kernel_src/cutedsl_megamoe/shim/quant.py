@@ -23,6 +23,9 @@ from .frontend import Geometry, KernelFrontend, check_glu_geometry
 
 #: the deepest stagger accepted (the swap-AB ring has at most 8 stages; the kernel caps it at half)
 MAX_SWAP_STAGGER = 8
+#: accumulator and A-fragment words a thread of a four-warpgroup swap-AB CTA holds without spilling
+#: (measured on the built libraries: 2 atoms at 32 tokens and 1 atom at 128 fit, 2 atoms at 64 spill)
+SWAP_WG4_WORDS = 96
 
 
 @dataclass(frozen=True)
@@ -140,8 +143,17 @@ class QuantFrontend(KernelFrontend):
                 raise ValueError(f"with swap_ab, tile_m must be one of {tiles} for {self.fmt}, got {k.tile_m}")
             if self.gated and k.fc1_tile_n != 256:
                 raise ValueError(f"swap_ab needs gate/up rows interleaved per 256 (fc1_tile_n=256), got {k.fc1_tile_n}")
-            kh.swap_tile_plan(self.geometry.fc1_rows, self.gated, k.tile_m, k.swap_wg, k.swap_atoms)
-            kh.swap_tile_plan(self.geometry.hidden, False, k.tile_m, k.swap_wg, k.swap_atoms)
+            for rows, gated in ((self.geometry.fc1_rows, self.gated), (self.geometry.hidden, False)):
+                atoms, wg = kh.swap_tile_plan(rows, gated, k.tile_m, k.swap_wg, k.swap_atoms)
+                # Four warpgroups hold 112 registers a thread: the fp32 accumulators (atoms * tile_m / 2)
+                # and two A fragments (32 * atoms words) fit 96 of them. The drop's plan allows 2 atoms at
+                # 64 and 128 tokens, which spill (stack 32 B / 1.3 KB, 17x slower; TUNING.md session 22).
+                if wg == 4 and atoms * k.tile_m // 2 + 32 * atoms > SWAP_WG4_WORDS:
+                    raise ValueError(
+                        f"four consumer warpgroups with {atoms} WGMMA atoms spill registers at {k.tile_m}-token "
+                        f"tiles (at most {SWAP_WG4_WORDS} accumulator and fragment words a thread): use "
+                        "swap_atoms=1, or tile_m <= 32 with 2 atoms"
+                    )
         elif k.tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128 for the {self.fmt} kernel, got {k.tile_m}")
         if k.gather_in_fc1 and not k.swap_ab:

@@ -165,6 +165,17 @@ def test_config_validation() -> None:
             bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 128, "swap_split_k": 2}), 8)
         with pytest.raises(MoEEpConfigError, match=r"swap_split_k must be one of \(1, 2, 4\)"):
             bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 16, "swap_ab": True, "swap_split_k": 3}), 8)
+        # four warpgroups of 2 atoms spill from 64-token tiles (measured: stack 32 B at 64, 1.3 KB at 128);
+        # rows of 512 (H 2048, 2 I 1536) so that the tile plan does take four warpgroups
+        wg4 = {"swap_ab": True, "swap_wg": 4}
+        for tile_m in (64, 128):
+            with pytest.raises(MoEEpConfigError, match=f"spill registers at {tile_m}-token tiles"):
+                bucket_frontends(CONFIG[fmt](2048, 768, 8, 2, knobs={**wg4, "tile_m": tile_m, "swap_atoms": 2}), 8)
+        for tile_m, atoms in ((16, 2), (32, 2), (64, 1), (128, 1)):
+            fe = bucket_frontends(CONFIG[fmt](2048, 768, 8, 2, knobs={**wg4, "tile_m": tile_m, "swap_atoms": atoms}), 8)
+            assert kh.swap_tile_plan(1536, True, tile_m, 4, atoms)[1] == 4, fe
+        # where four warpgroups of 2 atoms do not divide the rows the plan takes two: no spill, accepted
+        bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={**wg4, "tile_m": 128, "swap_atoms": 2}), 8)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -415,14 +426,17 @@ def test_swap_stagger_reaches_both_gemms_as_one_named_barrier(tmp_path: Path) ->
 @pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")
 @pytest.mark.skipif(kernel_resources.find_cuobjdump() is None, reason="needs cuobjdump (pip install .[test])")
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_four_consumer_warpgroups_share_the_register_file(tmp_path: Path, fmt: str) -> None:
+@pytest.mark.parametrize("tile_m", [16, 128])
+def test_four_consumer_warpgroups_share_the_register_file(tmp_path: Path, fmt: str, tile_m: int) -> None:
     """``swap_wg=4`` (1 atom: the tiny layer's 256-row FC1 block over four warpgroups of 32 features,
     so the MXFP8 requantization amax spans four warps): 640 threads launch with at most 96 registers
     (20 warps x 96 x 32 fit the 64K file), the producer gives its warpgroup's back down to 24 and the
-    four consumer warpgroups take 112 (``SWAP_WG_REGS``), with nothing spilled."""
-    lib = _swap_gemm_lib(tmp_path, '{"tile_m": 16, "swap_ab": true, "swap_wg": 4, "swap_atoms": 1}', fmt)
+    four consumer warpgroups take 112 (``SWAP_WG_REGS``), with nothing spilled (stack frame and local
+    memory 0), at the smallest and the largest token tile."""
+    knobs = f'{{"tile_m": {tile_m}, "swap_ab": true, "swap_wg": 4, "swap_atoms": 1}}'
+    lib = _swap_gemm_lib(tmp_path, knobs, fmt)
     gemms = [r for r in kernel_resources.kernel_resources(lib) if "SwapDequantGemm" in r.name]
-    assert len(gemms) == 2 and all(r.registers <= 96 and r.local == 0 for r in gemms), gemms
+    assert len(gemms) == 2 and all(r.registers <= 96 and r.spill_bytes == 0 for r in gemms), gemms
     for name, sass in kernel_resources.kernel_sass(lib).items():
         if "SwapDequantGemm" in name:
             ops = sorted(line.split("USETMAXREG.")[1].split()[0] + " " + line.split()[-1]
@@ -509,7 +523,7 @@ def test_split_k_counts_parts_with_one_atomic_per_gemm(tmp_path: Path) -> None:
         knobs = f'{{"tile_m": 16, "swap_ab": true, "swap_split_k": {split}}}'
         lib = _swap_gemm_lib(tmp_path / str(split), knobs, shape=shape)
         gemms = [r for r in kernel_resources.kernel_resources(lib) if "SwapDequantGemm" in r.name]
-        assert len(gemms) == 2 and all(r.local == 0 for r in gemms), gemms
+        assert len(gemms) == 2 and all(r.spill_bytes == 0 for r in gemms), gemms
         ops[split] = [
             (sum(1 for line in sass if re.search(r"\bATOMG\b", line)), any("LDG.E.STRONG" in line for line in sass))
             for name, sass in kernel_resources.kernel_sass(lib).items()
