@@ -304,15 +304,20 @@ def _write_expert_pairs(
             m_block_expert[half + 2 * s_scan[2 + l_excl // 2] + 1] = first + blocks - 1
 
 
-def item_grid(num_tokens, top_k, num_route_ctas: int):
+def item_grid(num_tokens, top_k, num_route_ctas: int, trigger_after_wait: bool = False):
     """(first item, item stride) of this thread in a gather's grid-stride loop over its items, and the
-    routing chunk size; waits for the routing kernel's results first (a no-op without PDL)."""
+    routing chunk size; waits for the routing kernel's results first (a no-op without PDL).
+    ``trigger_after_wait``: the next kernel launches only once this wait has returned (it reads the
+    routing's block map before its own wait: a GEMM with early weight loads)."""
     tid, _, _ = cute.arch.thread_idx()
     bid, _, _ = cute.arch.block_idx()
     nblk, _, _ = cute.arch.grid_dim()
     bdim, _, _ = cute.arch.block_dim()
-    cute.arch.griddepcontrol_launch_dependents()
+    if not trigger_after_wait:
+        cute.arch.griddepcontrol_launch_dependents()
     cute.arch.griddepcontrol_wait()
+    if trigger_after_wait:
+        cute.arch.griddepcontrol_launch_dependents()
     return bid * bdim + tid, nblk * bdim, chunk_size(num_tokens * top_k, num_route_ctas)
 
 

@@ -19,6 +19,12 @@ C[rows of M block b] = A[rows of b] @ B[expert(b)].T for every M block b of the 
   appends to an odd count) each CTA loads its own whole B tile. Experts are padded to ``tile_m``
   only, not ``2 * tile_m``.
 - PDL: the prologue (barrier init, descriptor prefetch) runs before ``griddepcontrol.wait``.
+- ``early_b`` (FC2, ``cluster_m = 1``): the weights do not depend on the kernel before (FC1), so the
+  producer issues the B loads of its first tile's first ring stages before ``griddepcontrol.wait``
+  (the A rows, FC1's output, after it): a CTA launched beside FC1's tail streams its weights then.
+  It reads the routing's block map before the wait, which is safe only when the kernel before it
+  triggers its dependents after its own wait (``trigger_after_wait``, set on FC1): the routing has
+  then ended before this kernel starts.
 - ``split_n`` (gated FC1 only): N tiles of ``tile_n`` over B interleaved per ``2 * tile_n`` rows (the
   layer's weight layout), so a decode step that touches few experts gets twice the CTAs to stream
   the weights without a second weight layout. Each stage loads two ``tile_n / 2``-row boxes, the
@@ -81,7 +87,13 @@ class GroupedGemmSm90:
         pair_by_expert: bool = False,
         gather_a: bool = False,
         split_n: bool = False,
+        early_b: bool = False,
+        trigger_after_wait: bool = False,
     ) -> None:
+        if early_b and (gather_a or split_n or cluster_m != 1):
+            raise ValueError("early_b needs TMA-loaded A rows, no split_n and cluster_m=1")
+        self.early_b = early_b
+        self.trigger_after_wait = trigger_after_wait
         # split_n: B is gate/up interleaved per 2 * tile_n rows; N tile n is half n % 2 of layout block
         # n // 2 (its gate rows and its up rows: two (tile_n / 2)-row TMA boxes per stage).
         self.split_n = split_n
@@ -379,14 +391,25 @@ class GroupedGemmSm90:
             )
 
         pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster_m, 1))
+        first_tile = bidx // self.cluster_m
+        tile_stride = grid_x // self.cluster_m
+        # B stages of the first tile issued before the wait (early_b)
+        early_k = min(self.ab_stages, k_tiles) if self.early_b else 0
+        if cutlass.const_expr(self.early_b):
+            if warp_idx == 0:
+                self._early_b_loads(
+                    ab_pipe, tma_b, tBgB, tBsB, tBgB_other, tBsB_other, m_block_expert, meta, first_tile, n_tiles,
+                    early_k, b_mcast_mask, b_self_mask,
+                )  # fmt: skip
         # PDL: the prologue above overlapped the previous kernel; its outputs are read below.
-        cute.arch.griddepcontrol_launch_dependents()
+        if cutlass.const_expr(not self.trigger_after_wait):
+            cute.arch.griddepcontrol_launch_dependents()
         cute.arch.griddepcontrol_wait()
+        if cutlass.const_expr(self.trigger_after_wait):
+            cute.arch.griddepcontrol_launch_dependents()
         # Cluster tiles: (group of cluster_m M blocks, n); this CTA takes block cluster_m*g + rank
         # (an odd block count ends with a phantom block: no real rows, see the routing scan).
         num_tiles = (meta[0] + self.cluster_m - 1) // self.cluster_m * n_tiles
-        first_tile = bidx // self.cluster_m
-        tile_stride = grid_x // self.cluster_m
 
         if wg_idx == 0:
             # ------------------------------------------------------------ producer warpgroup
@@ -457,7 +480,12 @@ class GroupedGemmSm90:
                             partner = self._m_block(m_block_expert, grp, (cluster_coord[0] + 1) % self.cluster_m)
                             share_b = (m_block_expert[partner] & 0xFFFF) == expert
                         for k in cutlass.range(k_tiles, unroll=1):
-                            ab_pipe.producer_acquire(prod_state)
+                            # early_b: the first tile's first early_k stages hold their B tile already
+                            late = True
+                            if cutlass.const_expr(self.early_b):
+                                late = (tile != first_tile) | (k >= early_k)
+                            if late:
+                                ab_pipe.producer_acquire(prod_state)
                             bar = ab_pipe.producer_get_barrier(prod_state)
                             cute.copy(
                                 tma_a,
@@ -465,10 +493,11 @@ class GroupedGemmSm90:
                                 tAsA[(None, prod_state.index)],
                                 tma_bar_ptr=bar,
                             )
-                            self._load_b(
-                                ab_pipe, prod_state, tma_b, tBgB, tBsB, tBgB_other, tBsB_other, n_blk, k, expert,
-                                share_b, b_mcast_mask, b_self_mask,
-                            )
+                            if late:
+                                self._load_b(
+                                    ab_pipe, prod_state, tma_b, tBgB, tBsB, tBgB_other, tBsB_other, n_blk, k, expert,
+                                    share_b, b_mcast_mask, b_self_mask,
+                                )  # fmt: skip
                             ab_pipe.producer_commit(prod_state)
                             prod_state.advance()
                         tile += tile_stride
@@ -610,6 +639,41 @@ class GroupedGemmSm90:
         the async proxy: order the two after the full barrier."""
         if cutlass.const_expr(self.gather_a):
             cute.arch.fence_proxy("async.shared", space="cta")
+
+    @cute.jit
+    def _early_b_loads(
+        self,
+        ab_pipe,
+        tma_b,
+        tBgB,
+        tBsB,
+        tBgB_other,
+        tBsB_other,
+        m_block_expert,
+        meta,
+        first_tile,
+        n_tiles,
+        early_k: cutlass.Constexpr,
+        mcast,
+        self_mask,
+    ) -> None:
+        """``early_b``, warp 0 before ``griddepcontrol.wait``: acquire the first ``early_k`` ring stages and
+        issue their B loads for this CTA's first tile (the stage's full barrier then waits for the A rows,
+        loaded after the wait). The routing's outputs are read with ld.relaxed.gpu (not through L1)."""
+        blocks = cute.arch.load(meta.iterator.llvm_ptr, cutlass.Int32, sem="relaxed", scope="gpu")
+        if first_tile < blocks * n_tiles:
+            m_blk = first_tile // n_tiles
+            n_blk = first_tile - m_blk * n_tiles
+            entry_ptr = (m_block_expert.iterator + m_blk).llvm_ptr
+            entry = cute.arch.load(entry_ptr, cutlass.Int32, sem="relaxed", scope="gpu")
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+            for k in cutlass.range(early_k, unroll=1):
+                ab_pipe.producer_acquire(state)
+                self._load_b(
+                    ab_pipe, state, tma_b, tBgB, tBsB, tBgB_other, tBsB_other, n_blk, k, entry & 0xFFFF, False, mcast,
+                    self_mask,
+                )  # fmt: skip
+                state.advance()
 
     @cute.jit
     def _load_b(

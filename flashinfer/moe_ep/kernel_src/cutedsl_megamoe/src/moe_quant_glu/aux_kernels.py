@@ -60,12 +60,13 @@ def quant_gather_kernel(
     row_token: cute.Tensor,  # out with per_token: (M_cap,) int32, the token of each pair's row
     fmt: cutlass.Constexpr[str],
     per_token: cutlass.Constexpr[bool],
+    trigger_after_wait: cutlass.Constexpr[bool] = False,
 ):
     """The grid covers ``item_lanes(per_token)`` threads per item (``gather_threads``)."""
     num_tokens = x.shape[0]
     top_k = topk_ids.shape[1]
     nitem = x.shape[1] // ITEM
-    first, stride, chunk = item_grid(num_tokens, top_k, num_route_ctas)
+    first, stride, chunk = item_grid(num_tokens, top_k, num_route_ctas, trigger_after_wait)
     lanes = item_lanes(per_token)
     per_lane = ITEM // lanes
     lane = cute.arch.lane_idx()
@@ -112,6 +113,7 @@ def dequant_gather_kernel(
     row_token: cute.Tensor,  # out with per_token: as quant_gather_kernel's
     fmt: cutlass.Constexpr[str],
     per_token: cutlass.Constexpr[bool],
+    trigger_after_wait: cutlass.Constexpr[bool] = False,
 ):
     """Pre-quantized activations: each item of 32 elements dequantized exactly (MXFP8 ``e4m3 *
     2**(s - 127)``, NVFP4 ``e2m1 * block scale``) and written to the token's K rows, with no
@@ -120,7 +122,7 @@ def dequant_gather_kernel(
     top_k = topk_ids.shape[1]
     block = constants.QUANT_BLOCK[fmt]
     nitem = x_scale.shape[1] // (ITEM // block)
-    first, stride, chunk = item_grid(num_tokens, top_k, num_route_ctas)
+    first, stride, chunk = item_grid(num_tokens, top_k, num_route_ctas, trigger_after_wait)
     lanes = item_lanes(per_token)
     per_lane = ITEM // lanes
     lane = cute.arch.lane_idx()

@@ -56,6 +56,13 @@ class Sm90MegaMoEQuantKernel:
     :param gather_in_fc1: (``swap_ab`` only) each token's activation row is prepared once into
         ``x_rows`` and FC1 loads its token columns from there through the row map, instead of a
         prepared copy per pair in ``a_buf`` (T rows written instead of T * top_k).
+    :param fc1_early_weights: (``swap_ab`` without ``gather_in_fc1``) FC1 issues its first work unit's
+        weight loads before waiting for the gather (``SwapDequantGemmSm90(early_w=True)``), which lets FC1
+        launch only once its own wait for the routing has returned: the weight stream starts while the
+        activations are still being quantized.
+    :param fc2_early_weights: (``swap_ab`` only) FC2 issues its first work unit's weight loads before
+        waiting for FC1 (``SwapDequantGemmSm90(early_w=True)``), and FC1 lets FC2 launch only once its own
+        wait has returned (FC2 reads the block map before its wait).
     :param prequantized: ``x`` holds the activation codes in the format (uint8: E4M3 [T, H] or E2M1
         pairs [T, H/2]) and ``x_scale`` their block scales (uint8: UE8M0 [T, H/32] or E4M3 [T, H/16]);
         otherwise ``x`` is bf16 [T, H], quantized by the kernel, and ``x_scale`` is not read.
@@ -83,7 +90,14 @@ class Sm90MegaMoEQuantKernel:
         swap_stagger: int = 0,
         gather_in_fc1: bool = False,
         swap_split_k: int = 1,
+        fc2_early_weights: bool = False,
+        fc1_early_weights: bool = False,
     ) -> None:
+        if fc2_early_weights and not (swap_ab and use_pdl):
+            raise ValueError("fc2_early_weights needs the swap-AB GEMMs (swap_ab=True) and use_pdl")
+        if fc1_early_weights and not (swap_ab and use_pdl and not gather_in_fc1):
+            raise ValueError("fc1_early_weights needs the swap-AB GEMMs (swap_ab=True), use_pdl, no gather_in_fc1")
+        self.fc1_early_weights = fc1_early_weights
         if fmt not in constants.QUANT_FORMATS:
             raise ValueError(f"unknown format {fmt!r}")
         if activation not in constants.ACTIVATIONS:
@@ -111,7 +125,8 @@ class Sm90MegaMoEQuantKernel:
         self.aux_vpt = aux_vpt
         self.fc1, self.fc2 = quant_gemms(
             fmt, tile_m, fc1_tile_n, fc2_tile_n, activation, limit, num_sms, fc1_stages, fc2_stages, swap_ab, swap_wg,
-            probe, bf_buffers, swap_atoms, swap_stagger, gather_in_fc1, swap_split_k,
+            probe, bf_buffers, swap_atoms, swap_stagger, gather_in_fc1, swap_split_k, fc2_early_weights,
+            fc1_early_weights,
         )  # fmt: skip
 
     @cute.jit
@@ -177,12 +192,12 @@ class Sm90MegaMoEQuantKernel:
         if cutlass.const_expr(self.prequantized):
             gather = dequant_gather_kernel(
                 x, x_scale, topk_ids, pair_rank, expert_off, cta_base, pair_row, rows, route_ctas, row_token,
-                self.fmt, self.gather_in_fc1,
+                self.fmt, self.gather_in_fc1, self.fc1_early_weights,
             )  # fmt: skip
         else:
             gather = quant_gather_kernel(
                 x, topk_ids, pair_rank, expert_off, cta_base, pair_row, rows, act_gscale, route_ctas, row_token,
-                self.fmt, self.gather_in_fc1,
+                self.fmt, self.gather_in_fc1, self.fc1_early_weights,
             )  # fmt: skip
         gather.launch(grid=[gather_ctas, 1, 1], block=[self.aux_threads, 1, 1], stream=stream, use_pdl=pdl)
         fc1_rows = {"x_rows": x_rows, "row_token": row_token} if self.gather_in_fc1 else {}
@@ -216,18 +231,25 @@ def quant_gemms(
     swap_stagger: int = 0,
     gather_in_fc1: bool = False,
     swap_split_k: int = 1,
+    fc2_early_weights: bool = False,
+    fc1_early_weights: bool = False,
 ) -> tuple:
     """FC1 (the activation and the requantization to the FC2 input format in its epilogue) and FC2 of the
     block-scaled kernels (world size 1 and EP): the swap-AB GEMMs (weights dequantized in registers,
     ``tile_m`` tokens as N) or the shared-memory-dequantization ones (``tile_m``-row M tiles).
     ``gather_in_fc1``: the swap-AB FC1 loads its token rows itself (``SwapDequantGemmSm90(gather_b=True)``);
-    ``swap_split_k``: their split K (``SwapDequantGemmSm90(split_k=...)``)."""
+    ``swap_split_k``: their split K (``SwapDequantGemmSm90(split_k=...)``); ``fc2_early_weights``: FC2's
+    weight loads before its wait (``early_w``), FC1's trigger after its own; ``fc1_early_weights``: FC1's
+    weight loads before its wait (the gather before it triggers after its own wait)."""
     if swap_ab:
         swap = {"max_wg": swap_wg, "max_atoms": swap_atoms, "stagger": swap_stagger, "split_k": swap_split_k}
         fc1 = SwapDequantGemmSm90(
-            fmt, tile_m, activation, limit, grid, fc1_stages, requant=True, gather_b=gather_in_fc1, **swap
+            fmt, tile_m, activation, limit, grid, fc1_stages, requant=True, gather_b=gather_in_fc1,
+            early_w=fc1_early_weights, trigger_after_wait=fc2_early_weights, **swap,
+        )  # fmt: skip
+        fc2 = SwapDequantGemmSm90(
+            fmt, tile_m, "plain", None, grid, fc2_stages, gscale_index=1, early_w=fc2_early_weights, **swap
         )
-        fc2 = SwapDequantGemmSm90(fmt, tile_m, "plain", None, grid, fc2_stages, gscale_index=1, **swap)
         return fc1, fc2
     fc1 = DequantGroupedGemmSm90(fmt, tile_m, fc1_tile_n, activation, limit, grid, fc1_stages, requant=True,
                                  gscale_index=0, probe=probe, bf_buffers=bf_buffers)  # fmt: skip

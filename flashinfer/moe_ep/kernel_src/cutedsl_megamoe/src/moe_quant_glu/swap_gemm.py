@@ -31,6 +31,12 @@ tokens per expert at decode, where the time is the weight stream; 64 and 128 for
   same moments), not at prefill, where the epilogue competes for those slots rather than leaving
   tensor-core time to fill.
 
+Early weights (``early_w``, FC2): the weight data and scales do not depend on FC1, so the producer
+warp issues their loads for its first work unit's first ring stages before ``griddepcontrol.wait``,
+and the token tile (FC1's output) after it, as the BF16 ``grouped_gemm``'s ``early_b`` does; FC1 then
+triggers its dependents after its own wait (``trigger_after_wait``), so the routing's block map read
+before the wait is complete.
+
 Split K (``split_k`` 2 or 4): at decode the CTA tiles (weight rows x one token tile) are fewer than
 the SMs, and each CTA's serial K loop, not the weight bytes, bounds the GEMM (TUNING.md, session 19).
 When ``s * tiles`` fits the grid (checked at run time, s = ``split_k`` or 2) and each part keeps
@@ -105,7 +111,13 @@ class SwapDequantGemmSm90:
         stagger: int = 0,
         gather_b: bool = False,
         split_k: int = 1,
+        early_w: bool = False,
+        trigger_after_wait: bool = False,
     ) -> None:
+        if early_w and gather_b:
+            raise ValueError("early_w needs TMA-loaded token tiles (gather_b=False)")
+        self.early_w = early_w
+        self.trigger_after_wait = trigger_after_wait
         if fmt not in constants.QUANT_FORMATS:
             raise ValueError(f"unknown format {fmt!r}")
         if tok_tile not in constants.SWAP_TOKEN_TILES:
@@ -344,8 +356,15 @@ class SwapDequantGemmSm90:
         n_tiles = cute.size(gW, mode=[3])
 
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
-        cute.arch.griddepcontrol_launch_dependents()
+        if cutlass.const_expr(self.early_w):
+            if warp_idx == 0:
+                self._early_w_loads(ab_pipe, tma_w, tWgW, tWsW, tma_s, tSgS, tSsS, m_block_expert, meta, n_tiles,
+                                    k_tiles, bidx, grid_x)  # fmt: skip
+        if cutlass.const_expr(not self.trigger_after_wait):
+            cute.arch.griddepcontrol_launch_dependents()
         cute.arch.griddepcontrol_wait()
+        if cutlass.const_expr(self.trigger_after_wait):
+            cute.arch.griddepcontrol_launch_dependents()
         num_tiles = meta[0] * n_tiles
         splits = self._splits(num_tiles, grid_x, k_tiles)
         num_units = num_tiles * splits  # work units: (tile, K part)
@@ -365,11 +384,16 @@ class SwapDequantGemmSm90:
                     _tile, m_blk, n_blk, k0, kn = self._unit(unit, splits, n_tiles, k_tiles)
                     expert = m_block_expert[m_blk] & 0xFFFF
                     for k in cutlass.range(k0, k0 + kn, unroll=1):
-                        ab_pipe.producer_acquire(prod_state)
+                        late = True  # early_w: the first unit's first stages hold their weights already
+                        if cutlass.const_expr(self.early_w):
+                            late = (unit != bidx) | (k - k0 >= self.ab_stages)
+                        if late:
+                            ab_pipe.producer_acquire(prod_state)
                         bar = ab_pipe.producer_get_barrier(prod_state)
                         stage = prod_state.index
-                        cute.copy(tma_w, tWgW[(None, 0, n_blk, k, expert)], tWsW[(None, stage)], tma_bar_ptr=bar)
-                        cute.copy(tma_s, tSgS[(None, 0, n_blk, k, expert)], tSsS[(None, stage)], tma_bar_ptr=bar)
+                        if late:
+                            cute.copy(tma_w, tWgW[(None, 0, n_blk, k, expert)], tWsW[(None, stage)], tma_bar_ptr=bar)
+                            cute.copy(tma_s, tSgS[(None, 0, n_blk, k, expert)], tSsS[(None, stage)], tma_bar_ptr=bar)
                         cute.copy(tma_b, tBgB[(None, m_blk, k)], tBsB[(None, stage)], tma_bar_ptr=bar)
                         ab_pipe.producer_commit(prod_state)
                         prod_state.advance()
@@ -560,6 +584,42 @@ class SwapDequantGemmSm90:
             unit += grid_x
         if warp_idx == 0:
             ab_pipe.producer_tail(prod_state)
+
+    @cute.jit
+    def _early_w_loads(
+        self,
+        ab_pipe,
+        tma_w,
+        tWgW,
+        tWsW,
+        tma_s,
+        tSgS,
+        tSsS,
+        m_block_expert,
+        meta,
+        n_tiles,
+        k_tiles: cutlass.Constexpr,
+        bidx,
+        grid_x,
+    ) -> None:
+        """``early_w``, warp 0 before ``griddepcontrol.wait``: acquire the first ring stages of this CTA's
+        first work unit (as many as the ring holds) and issue their weight data and scale loads; the
+        stage's full barrier then waits for the token tile, loaded after the wait. The routing's outputs
+        are read with ld.relaxed.gpu (not through L1)."""
+        blocks = cute.arch.load(meta.iterator.llvm_ptr, cutlass.Int32, sem="relaxed", scope="gpu")
+        num_tiles = blocks * n_tiles
+        splits = self._splits(num_tiles, grid_x, k_tiles)
+        if bidx < num_tiles * splits:
+            _tile, m_blk, n_blk, k0, kn = self._unit(bidx, splits, n_tiles, k_tiles)
+            entry_ptr = (m_block_expert.iterator + m_blk).llvm_ptr
+            expert = cute.arch.load(entry_ptr, cutlass.Int32, sem="relaxed", scope="gpu") & 0xFFFF
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+            for k in cutlass.range(k0, k0 + cutlass.min(kn, self.ab_stages), unroll=1):
+                ab_pipe.producer_acquire(state)
+                bar = ab_pipe.producer_get_barrier(state)
+                cute.copy(tma_w, tWgW[(None, 0, n_blk, k, expert)], tWsW[(None, state.index)], tma_bar_ptr=bar)
+                cute.copy(tma_s, tSgS[(None, 0, n_blk, k, expert)], tSsS[(None, state.index)], tma_bar_ptr=bar)
+                state.advance()
 
     @cute.jit
     def _stagger_release(self, lag: cutlass.Constexpr, n: cutlass.Int32, wg: cutlass.Int32) -> None:
