@@ -176,6 +176,16 @@ def test_the_single_bucket_splits_fc1_where_twice_its_ctas_fit_the_grid() -> Non
     assert "fc1_split_n needs" in tuner.is_valid(qwen30, bad)[1]
 
 
+def test_fc2_early_weights_is_on_by_default_and_leaves_clusters_valid() -> None:
+    """FC2's early weight loads are on in every bucket's defaults; with clusters they have no effect, so a
+    clustered candidate of the same knobs stays valid (the autotune keeps searching cluster_m)."""
+    g = drop.Geometry(2048, 768, 128, 8, "swiglu", None)
+    for t in (1, 64, 1024, 4096):
+        assert tuner.default_knobs(g, t).fc2_early_weights
+    clustered = dataclasses.replace(tuner.default_knobs(g, 64), cluster_m=2)
+    assert tuner.is_valid(g, clustered)[0] and clustered in tuner.candidates(g, 64)
+
+
 def test_resolve_takes_an_exact_cache_hit_else_the_defaults(tmp_path: Path) -> None:
     g = drop.Geometry(2048, 768, 128, 8, "swiglu", None)
     ctx = knob_cache.TuneContext("NVIDIA H200")

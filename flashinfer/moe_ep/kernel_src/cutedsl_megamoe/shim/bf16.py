@@ -35,6 +35,12 @@ class Bf16Knobs:
     activations, ``fc1_tile_n=256``, ``cluster_m=1``). The ``single`` token bucket (T = 1) turns it on
     where it doubles FC1's CTAs within the grid (``split_fc1_pays``; measured on H200: qwen3-30b-a3b
     T = 1 8 % faster, 1-3 % slower at T >= 2 and where FC1 already fills the SMs; TUNING.md).
+
+    ``fc2_early_weights`` (default on; it applies with ``cluster_m=1``, and has no effect with clusters):
+    FC2 issues its first tile's weight loads before it waits for FC1 (its CTAs that start beside FC1's
+    tail stream weights then), and FC1 lets FC2 launch only after its own wait for the routing has
+    returned (drop v34; measured on H200: 0-3.6 % faster at T = 1 to 1024, outputs bitwise equal;
+    TUNING.md, "Session 23").
     """
 
     tile_m: int = 128
@@ -47,6 +53,7 @@ class Bf16Knobs:
     fc1_tiled: bool = True
     gather_in_fc1: bool = True
     fc1_split_n: bool = False
+    fc2_early_weights: bool = True
 
 
 def widest_tile(n: int, widest: int = 256) -> int:
@@ -114,6 +121,7 @@ class Bf16Frontend(KernelFrontend):
             fc1_tiled=k.fc1_tiled,
             gather_in_fc1=k.gather_in_fc1,
             fc1_split_n=k.fc1_split_n,
+            fc2_early_weights=k.fc2_early_weights,
         )
         return kh.export_moe_bf16(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)
 

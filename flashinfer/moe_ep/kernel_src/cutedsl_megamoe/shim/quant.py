@@ -44,7 +44,11 @@ class QuantKnobs:
     (``swap_ab``, world size 1; 1, 2 or 4): where that many K parts of every CTA tile of a swap-AB GEMM
     fit one wave of the grid (decoding few tokens) and keep ``SWAP_SPLIT_MIN_K_TILES`` (16) K tiles each,
     each part runs on its own CTA and the last one sums them in part order; else the tiles run whole.
-    It changes the fp32 summation order of K where it splits (deterministic for a given T)."""
+    It changes the fp32 summation order of K where it splits (deterministic for a given T).
+    ``fc2_early_weights`` (``swap_ab``, world size 1): the swap-AB FC2 issues its first work unit's
+    weight loads before it waits for FC1, and FC1 lets FC2 launch only after its own wait.
+    ``fc1_early_weights`` (``swap_ab`` without ``gather_in_fc1``, world size 1): the same for FC1 behind
+    the activation gather."""
 
     tile_m: int = 128
     fc1_tile_n: int = 256
@@ -58,6 +62,8 @@ class QuantKnobs:
     swap_stagger: int = 0
     gather_in_fc1: bool = False
     swap_split_k: int = 1
+    fc2_early_weights: bool = False
+    fc1_early_weights: bool = False
 
     @property
     def grid(self) -> int:
@@ -163,6 +169,10 @@ class QuantFrontend(KernelFrontend):
             raise ValueError(f"swap_split_k must be one of {splits}, got {k.swap_split_k}")
         if k.swap_split_k > 1 and not k.swap_ab:
             raise ValueError("swap_split_k needs the swap-AB GEMMs (swap_ab=True)")
+        if k.fc2_early_weights and not k.swap_ab:
+            raise ValueError("fc2_early_weights needs the swap-AB GEMMs (swap_ab=True)")
+        if k.fc1_early_weights and not (k.swap_ab and not k.gather_in_fc1):
+            raise ValueError("fc1_early_weights needs the swap-AB GEMMs (swap_ab=True) without gather_in_fc1")
         for n in (k.fc1_tile_n, k.fc2_tile_n):
             if n not in (64, 128, 256):
                 raise ValueError(f"N tiles must be 64, 128 or 256, got {n}")
@@ -187,7 +197,11 @@ class QuantFrontend(KernelFrontend):
         g = self.geometry
         k = self.knobs
         kernel = kh.Sm90MegaMoEQuantKernel(
-            **self.kernel_kwargs(), gather_in_fc1=k.gather_in_fc1, swap_split_k=k.swap_split_k
+            **self.kernel_kwargs(),
+            gather_in_fc1=k.gather_in_fc1,
+            swap_split_k=k.swap_split_k,
+            fc2_early_weights=k.fc2_early_weights,
+            fc1_early_weights=k.fc1_early_weights,
         )
         return kh.export_moe_quant(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)
 

@@ -122,6 +122,8 @@ BF16_KNOBS: tuple[KnobSpec, ...] = (
              why="FC1 loads its rows from x (no gathered copy); measured, not searched"),
     KnobSpec("fc1_split_n", PERFORMANCE, (False, True), None,
              why="FC1 tiles of 128 over the 256 layout (T = 1, the single bucket's rule); measured, not searched"),
+    KnobSpec("fc2_early_weights", PERFORMANCE, (False, True), None,
+             why="FC2's first weight loads before its wait for FC1 (with cluster_m 1); measured, not searched"),
     # None = as many stages as shared memory allows; an explicit depth can overflow shared memory,
     # which only the compiler detects, so candidates keep None and explicit depths are for hand tuning.
     KnobSpec("fc1_stages", PERFORMANCE, _STAGES, None, why="FC1 TMA pipeline depth"),

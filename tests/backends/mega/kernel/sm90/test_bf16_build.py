@@ -18,6 +18,8 @@ from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
 from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import frontend as frontend_mod
 from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import kernel_cache, kernel_resources
 
+from .sass import pdl_order
+
 pytestmark = pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")
 
 
@@ -58,6 +60,21 @@ def test_both_fc1_row_sources_compile_under_their_own_keys(tmp_path: Path) -> No
     assert all(b"__tvm_ffi_" in blob for blob in blobs)
     assert b"row_map_kernel" in blobs[0] and b"gather_kernel" not in blobs[0]
     assert b"gather_kernel" in blobs[1] and b"row_map_kernel" not in blobs[1]
+
+
+@pytest.mark.skipif(kernel_resources.find_cuobjdump() is None, reason="needs cuobjdump (pip install .[test])")
+def test_fc2_loads_its_first_weights_before_waiting_for_fc1(tmp_path: Path) -> None:
+    """``fc2_early_weights`` (drop v34, the default): FC2 issues its weight loads (one TMA) before its
+    ``griddepcontrol.wait`` and FC1 lets it launch only after its own wait (it reads the routing's block
+    map early). Off, or with clusters (where it has no effect), both GEMMs trigger first and load after."""
+    orders = {}
+    for name, knobs in (("on", {"tile_m": 64}), ("off", {"tile_m": 64, "fc2_early_weights": False}),
+                        ("clusters", {"cluster_m": 2})):  # fmt: skip
+        fe = _frontend(**knobs)
+        sass = kernel_resources.kernel_sass(fe.build(tmp_path / name))
+        orders[name] = [pdl_order(code) for kernel, code in sass.items() if "GroupedGemm" in kernel]
+    assert orders["on"] == [(0, False), (1, True)]
+    assert orders["off"] == orders["clusters"] == [(0, True), (0, True)]
 
 
 def test_key_covers_versions_geometry_and_knobs(tmp_path: Path, monkeypatch) -> None:

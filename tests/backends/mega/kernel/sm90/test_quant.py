@@ -4,6 +4,7 @@ dequantization bit for bit), config and input validation, cache keys, and AOT bu
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import subprocess
@@ -35,6 +36,8 @@ from flashinfer.moe_ep.errors import MoEEpBackendUnavailableError, MoEEpConfigEr
 from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
 from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import kernel_cache, kernel_resources
 from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import kernel_helpers as kh
+
+from .sass import pdl_order
 
 FORMATS = ("mxfp8", "nvfp4")
 CONFIG = {
@@ -163,6 +166,12 @@ def test_config_validation() -> None:
             bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 128, "gather_in_fc1": True}), 8)
         with pytest.raises(MoEEpConfigError, match="swap_split_k needs the swap-AB GEMMs"):
             bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 128, "swap_split_k": 2}), 8)
+        with pytest.raises(MoEEpConfigError, match="fc2_early_weights needs the swap-AB GEMMs"):
+            bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 128, "fc2_early_weights": True}), 8)
+        # FC1's early weight loads need the gather kernel before FC1 (its trigger orders the routing)
+        with pytest.raises(MoEEpConfigError, match="fc1_early_weights needs the swap-AB GEMMs"):
+            bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 32, "swap_ab": True, "gather_in_fc1": True,
+                                                                "fc1_early_weights": True}), 8)  # fmt: skip
         with pytest.raises(MoEEpConfigError, match=r"swap_split_k must be one of \(1, 2, 4\)"):
             bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 16, "swap_ab": True, "swap_split_k": 3}), 8)
         # four warpgroups of 2 atoms spill from 64-token tiles (measured: stack 32 B at 64, 1.3 KB at 128);
@@ -189,6 +198,8 @@ def test_buckets_share_the_weight_layout(fmt: str) -> None:
         assert k.swap_atoms == bk.get("swap_atoms", 4) and k.swap_stagger == bk.get("swap_stagger", 0)
         assert k.gather_in_fc1 == bk.get("gather_in_fc1", False)
         assert k.swap_split_k == bk.get("swap_split_k", 1)
+        # early weight loads: FC2's in every swap-AB bucket, FC1's where the gather kernel precedes it at T <= 2
+        assert k.fc2_early_weights and k.fc1_early_weights == (b.name in ("split16", "sparse16"))
         assert k.fc1_tile_n == layout.knobs.fc1_tile_n  # one packed layout
     assert len({fe.key.digest() for fe in fes.values()}) == len(fes)
     gathering = {b.name for b in BUCKETS if fes[b.name].knobs.gather_in_fc1}
@@ -550,6 +561,24 @@ def test_gather_in_fc1_loads_the_token_rows_with_cp_async(tmp_path: Path) -> Non
     assert ops[True] == [(1, 2), (0, 3)]
 
 
+@pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")
+@pytest.mark.skipif(kernel_resources.find_cuobjdump() is None, reason="needs cuobjdump (pip install .[test])")
+def test_early_weights_load_before_the_wait_for_the_kernel_before(tmp_path: Path) -> None:
+    """Drop v34: with ``fc2_early_weights`` FC2 issues its weight data and scale loads (two TMA) before its
+    ``griddepcontrol.wait`` and FC1 triggers its dependents after its own wait; ``fc1_early_weights`` does the
+    same for FC1 behind the gather, which then triggers after its wait. Without them every kernel triggers
+    first and loads after."""
+    orders = {}
+    for name, early in (("off", {}), ("fc2", {"fc2_early_weights": True}),
+                        ("both", {"fc2_early_weights": True, "fc1_early_weights": True})):  # fmt: skip
+        knobs = json.dumps({"tile_m": 16, "swap_ab": True, **early})
+        sass = kernel_resources.kernel_sass(_swap_gemm_lib(tmp_path / name, knobs))
+        orders[name] = [pdl_order(code) for kernel, code in sass.items() if "Gemm" in kernel or "gather" in kernel]
+    assert orders["off"] == [(0, True), (0, True), (0, True)]  # gather, FC1, FC2
+    assert orders["fc2"] == [(0, True), (0, False), (2, True)]
+    assert orders["both"] == [(0, False), (2, False), (2, True)]
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_prequantized_input_is_a_kernel_variant(fmt: str) -> None:
     """``prequantized_input=True``: every bucket's kernel takes codes and scales (its own cache keys),
@@ -617,6 +646,10 @@ def test_ep_bucket_frontends_take_the_global_experts_and_the_layer_dispatch(fmt:
     with pytest.raises(MoEEpConfigError, match="gather_in_fc1 is a world-size-1 knob"):
         make_frontend(CONFIG[fmt](256, 128, 16, 4, knobs={"tile_m": 16, "swap_ab": True, "gather_in_fc1": True}), 8,
                       None, EpPlacement(2))  # fmt: skip
+    for early in ("fc1_early_weights", "fc2_early_weights"):
+        with pytest.raises(MoEEpConfigError, match="are world-size-1 knobs"):
+            make_frontend(CONFIG[fmt](256, 128, 16, 4, knobs={"tile_m": 16, "swap_ab": True, early: True}), 8, None,
+                          EpPlacement(2))  # fmt: skip
     wire = CONFIG[fmt](256, 128, 16, 4, combine_dtype="mxfp8")  # the EP combine wire: no wire at world 1
     with pytest.raises(MoEEpConfigError, match="world-size-1 .* kernel has none"):
         bucket_frontends(wire, 16)

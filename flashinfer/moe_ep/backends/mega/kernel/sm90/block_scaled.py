@@ -301,8 +301,15 @@ class TokenBucket:
 #:   (which only two-warpgroup CTAs apply).
 #: - ``decode`` / ``prefill``: 64 / 128-row M tiles (shared-memory dequantization), for the shapes the
 #:   swap-AB GEMMs cannot tile (sizes not multiples of 128, or gate/up not interleaved per 256).
-_GATHER = {"swap_ab": True, "gather_in_fc1": True}
-_SPARSE16 = {"tile_m": 16, "swap_ab": True, "swap_atoms": 2}
+#: - Early weight loads (drop v34, session 23, interleaved A/B in CUDA graphs, outputs bitwise equal):
+#:   every swap-AB bucket's FC2 issues its first weight loads before it waits for FC1
+#:   (``fc2_early_weights``: 0-7 % faster at T = 1 to 128 on the three contracts, both formats, within
+#:   +-1 % at 4096); ``split16`` and ``sparse16`` also FC1 before it waits for the gather
+#:   (``fc1_early_weights``: up to 4 % more at T = 1-2, e.g. MXFP8 qwen3-30b-a3b T = 1 0.955 against
+#:   0.991 with FC2's alone; at ``swap16`` it cost 1-2 %, so not there).
+_EARLY = {"fc2_early_weights": True}
+_GATHER = {"swap_ab": True, "gather_in_fc1": True, **_EARLY}
+_SPARSE16 = {"tile_m": 16, "swap_ab": True, "swap_atoms": 2, **_EARLY, "fc1_early_weights": True}
 BUCKETS = (
     TokenBucket(
         "split16",
@@ -323,7 +330,7 @@ BUCKETS = (
     ),
     TokenBucket(
         "swap16",
-        {"tile_m": 16, "swap_ab": True, "swap_stagger": 4},
+        {"tile_m": 16, "swap_ab": True, "swap_stagger": 4, **_EARLY},
         max_pairs_per_expert=8,
         fallback="decode",
         format_knobs={"nvfp4": {"swap_wg": 4, "swap_atoms": 2}},
@@ -333,7 +340,7 @@ BUCKETS = (
     TokenBucket("swap128", {"tile_m": 128, **_GATHER}, fallback="prefill"),
 )
 #: bucket knobs of the world-size-1 kernel only (the EP kernels' dispatch moves prepared rows already)
-WORLD1_KNOBS = ("gather_in_fc1", "swap_split_k")
+WORLD1_KNOBS = ("gather_in_fc1", "swap_split_k", "fc2_early_weights", "fc1_early_weights")
 #: the knobs of the fallback buckets (over the defaults)
 FALLBACKS = {"decode": {"tile_m": 64}, "prefill": {}}
 
