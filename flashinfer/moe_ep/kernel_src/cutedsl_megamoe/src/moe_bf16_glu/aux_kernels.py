@@ -47,6 +47,7 @@ def route_kernel(
     block_multiple: cutlass.Constexpr[int],
     pair_by_expert: cutlass.Constexpr[bool],
     map_rows: cutlass.Constexpr[bool],
+    trigger_after_wait: cutlass.Constexpr[bool] = False,
 ):
     """Routing in one launch (grid G1 <= the rows of ``cta_base``, ROUTING_THREADS threads; the
     gathers take G1 as ``num_route_ctas``).
@@ -61,14 +62,20 @@ def route_kernel(
 
     Slot order depends on atomic order; the GEMM result of a row does not depend on its position,
     so the final output stays bitwise deterministic.
+
+    ``trigger_after_wait``: the next kernel launches only once this kernel's wait has returned, so it may
+    read the layer's inputs (``x``) before its own wait (a gather with ``early_rows``).
     """
     nthr = constants.ROUTING_THREADS
     tid, _, _ = cute.arch.thread_idx()
     bid, _, _ = cute.arch.block_idx()
     nblk, _, _ = cute.arch.grid_dim()
-    cute.arch.griddepcontrol_launch_dependents()
+    if cutlass.const_expr(not trigger_after_wait):
+        cute.arch.griddepcontrol_launch_dependents()
     # Under PDL the previous call's combine may still read pair_row: wait before any write.
     cute.arch.griddepcontrol_wait()
+    if cutlass.const_expr(trigger_after_wait):
+        cute.arch.griddepcontrol_launch_dependents()
     num_pairs = topk_ids.shape[0] * topk_ids.shape[1]
     chunk = chunk_size(num_pairs, nblk)
     smem = cutlass.utils.SmemAllocator()
@@ -304,21 +311,28 @@ def _write_expert_pairs(
             m_block_expert[half + 2 * s_scan[2 + l_excl // 2] + 1] = first + blocks - 1
 
 
-def item_grid(num_tokens, top_k, num_route_ctas: int, trigger_after_wait: bool = False):
+def item_grid(num_tokens, top_k, num_route_ctas: int, trigger_after_wait: bool = False, wait: bool = True):
     """(first item, item stride) of this thread in a gather's grid-stride loop over its items, and the
-    routing chunk size; waits for the routing kernel's results first (a no-op without PDL).
-    ``trigger_after_wait``: the next kernel launches only once this wait has returned (it reads the
-    routing's block map before its own wait: a GEMM with early weight loads)."""
+    routing chunk size; waits for the routing kernel's results first (a no-op without PDL; ``wait=False``:
+    the caller does, with ``wait_for_routing``). ``trigger_after_wait``: the next kernel launches only once
+    this wait has returned (it reads the routing's block map before its own wait: a GEMM with early
+    weight loads)."""
     tid, _, _ = cute.arch.thread_idx()
     bid, _, _ = cute.arch.block_idx()
     nblk, _, _ = cute.arch.grid_dim()
     bdim, _, _ = cute.arch.block_dim()
+    if wait:
+        wait_for_routing(trigger_after_wait)
+    return bid * bdim + tid, nblk * bdim, chunk_size(num_tokens * top_k, num_route_ctas)
+
+
+def wait_for_routing(trigger_after_wait: bool = False) -> None:
+    """``griddepcontrol.wait`` for the routing, with the dependents' trigger before it or after it."""
     if not trigger_after_wait:
         cute.arch.griddepcontrol_launch_dependents()
     cute.arch.griddepcontrol_wait()
     if trigger_after_wait:
         cute.arch.griddepcontrol_launch_dependents()
-    return bid * bdim + tid, nblk * bdim, chunk_size(num_tokens * top_k, num_route_ctas)
 
 
 @cute.kernel

@@ -31,7 +31,7 @@ import cutlass
 import cutlass.cute as cute
 
 from ..common import constants
-from ..moe_bf16_glu.aux_kernels import item_grid
+from ..moe_bf16_glu.aux_kernels import item_grid, wait_for_routing
 from ..moe_bf16_glu.ep_kernels import aborted, live_count
 from ..src import block_quant as bq
 
@@ -61,12 +61,15 @@ def quant_gather_kernel(
     fmt: cutlass.Constexpr[str],
     per_token: cutlass.Constexpr[bool],
     trigger_after_wait: cutlass.Constexpr[bool] = False,
+    early_rows: cutlass.Constexpr[bool] = False,
 ):
-    """The grid covers ``item_lanes(per_token)`` threads per item (``gather_threads``)."""
+    """The grid covers ``item_lanes(per_token)`` threads per item (``gather_threads``). ``early_rows``:
+    each warp loads and quantizes its first item before it waits for the routing (the routing kernel
+    must trigger after its own wait, so ``x`` is complete); only the stores need the routing."""
     num_tokens = x.shape[0]
     top_k = topk_ids.shape[1]
     nitem = x.shape[1] // ITEM
-    first, stride, chunk = item_grid(num_tokens, top_k, num_route_ctas, trigger_after_wait)
+    first, stride, chunk = item_grid(num_tokens, top_k, num_route_ctas, trigger_after_wait, wait=not early_rows)
     lanes = item_lanes(per_token)
     per_lane = ITEM // lanes
     lane = cute.arch.lane_idx()
@@ -78,25 +81,44 @@ def quant_gather_kernel(
     if cutlass.const_expr(fmt == constants.FMT_NVFP4):
         gs = bq.nvfp4_global(act_gscale[0])
     slots = num_tokens * nitem * lanes
+    first_base = first - lane  # warp-uniform
+    if cutlass.const_expr(early_rows):
+        if first_base < slots:
+            _qdq_slot(x, cutlass.min(first_base + lane, slots - 1), nitem, lanes, j, frag, vals, qfrag, fmt, gs)
+        wait_for_routing(trigger_after_wait)
     # Warp-uniform trip count (the shuffles need every lane); lanes past the end redo the last slot and store nothing.
-    for base in cutlass.range(first - lane, slots, stride):
+    for base in cutlass.range(first_base, slots, stride):
         slot = cutlass.min(base + lane, slots - 1)
         t = slot // (nitem * lanes)
         g = slot // lanes - t * nitem
-        cute.autovec_copy(cute.local_tile(x, (1, per_lane), (t, g * lanes + j)), frag)
-        vals.store(frag.load().to(cutlass.Float32))
-        v = [vals[0, i] for i in range(per_lane)]
-        if cutlass.const_expr(fmt == constants.FMT_MXFP8):
-            q = bq.mxfp8_qdq(v, _lanes_amax(bq.block_amax(v), ITEM // per_lane))
+        if cutlass.const_expr(early_rows):
+            if base != first_base:  # the first item is in qfrag already
+                _qdq_slot(x, slot, nitem, lanes, j, frag, vals, qfrag, fmt, gs)
         else:
-            q = bq.nvfp4_qdq(v, _lanes_amax(bq.block_amax(v), constants.QUANT_BLOCK[fmt] // per_lane), gs)
-        for i in cutlass.range_constexpr(per_lane):
-            vals[0, i] = q[i]
-        qfrag.store(vals.load().to(x.element_type))
+            _qdq_slot(x, slot, nitem, lanes, j, frag, vals, qfrag, fmt, gs)
         _store_lane(
             qfrag, t, g, j, lane - j, base + lane < slots, topk_ids, pair_rank, expert_off, cta_base, pair_row, a_buf,
             chunk, row_token, per_token,
         )  # fmt: skip
+
+
+@cute.jit
+def _qdq_slot(x, slot, nitem, lanes: cutlass.Constexpr, j, frag, vals, qfrag, fmt: cutlass.Constexpr, gs) -> None:
+    """Lane ``j``'s part of the item in ``slot`` of ``quant_gather_kernel``, quantized-dequantized into ``qfrag``
+    (the block amax over the item's lanes: every lane of the warp takes part)."""
+    per_lane = ITEM // lanes
+    t = slot // (nitem * lanes)
+    g = slot // lanes - t * nitem
+    cute.autovec_copy(cute.local_tile(x, (1, per_lane), (t, g * lanes + j)), frag)
+    vals.store(frag.load().to(cutlass.Float32))
+    v = [vals[0, i] for i in range(per_lane)]
+    if cutlass.const_expr(fmt == constants.FMT_MXFP8):
+        q = bq.mxfp8_qdq(v, _lanes_amax(bq.block_amax(v), ITEM // per_lane))
+    else:
+        q = bq.nvfp4_qdq(v, _lanes_amax(bq.block_amax(v), constants.QUANT_BLOCK[fmt] // per_lane), gs)
+    for i in cutlass.range_constexpr(per_lane):
+        vals[0, i] = q[i]
+    qfrag.store(vals.load().to(x.element_type))
 
 
 @cute.kernel
@@ -114,15 +136,17 @@ def dequant_gather_kernel(
     fmt: cutlass.Constexpr[str],
     per_token: cutlass.Constexpr[bool],
     trigger_after_wait: cutlass.Constexpr[bool] = False,
+    early_rows: cutlass.Constexpr[bool] = False,
 ):
     """Pre-quantized activations: each item of 32 elements dequantized exactly (MXFP8 ``e4m3 *
     2**(s - 127)``, NVFP4 ``e2m1 * block scale``) and written to the token's K rows, with no
-    requantization, so the GEMMs see the given values whatever rule chose their scales."""
+    requantization, so the GEMMs see the given values whatever rule chose their scales. ``early_rows``
+    as ``quant_gather_kernel``'s."""
     num_tokens = xq.shape[0]
     top_k = topk_ids.shape[1]
     block = constants.QUANT_BLOCK[fmt]
     nitem = x_scale.shape[1] // (ITEM // block)
-    first, stride, chunk = item_grid(num_tokens, top_k, num_route_ctas, trigger_after_wait)
+    first, stride, chunk = item_grid(num_tokens, top_k, num_route_ctas, trigger_after_wait, wait=not early_rows)
     lanes = item_lanes(per_token)
     per_lane = ITEM // lanes
     lane = cute.arch.lane_idx()
@@ -132,18 +156,50 @@ def dequant_gather_kernel(
     vals = cute.make_rmem_tensor((1, per_lane), cutlass.Float32)
     qfrag = cute.make_rmem_tensor((1, per_lane), a_buf.element_type)
     slots = num_tokens * nitem * lanes
-    for base in cutlass.range(first - lane, slots, stride):  # warp-uniform, as in quant_gather_kernel
+    first_base = first - lane  # warp-uniform
+    if cutlass.const_expr(early_rows):
+        if first_base < slots:
+            slot0 = cutlass.min(first_base + lane, slots - 1)
+            _dequant_slot(xq, x_scale, slot0, nitem, lanes, j, lane_bytes, raw, vals, qfrag, fmt)
+        wait_for_routing(trigger_after_wait)
+    for base in cutlass.range(first_base, slots, stride):  # warp-uniform, as in quant_gather_kernel
         slot = cutlass.min(base + lane, slots - 1)
         t = slot // (nitem * lanes)
         g = slot // lanes - t * nitem
-        cute.autovec_copy(cute.local_tile(xq, (1, lane_bytes), (t, g * lanes + j)), raw)
-        scale_byte = cutlass.Uint32(x_scale[t, g * (ITEM // block) + j * per_lane // block])
-        _dequant_codes(raw, 0, lane_bytes, scale_byte, vals, fmt)
-        qfrag.store(vals.load().to(a_buf.element_type))
+        if cutlass.const_expr(early_rows):
+            if base != first_base:  # the first item is in qfrag already
+                _dequant_slot(xq, x_scale, slot, nitem, lanes, j, lane_bytes, raw, vals, qfrag, fmt)
+        else:
+            _dequant_slot(xq, x_scale, slot, nitem, lanes, j, lane_bytes, raw, vals, qfrag, fmt)
         _store_lane(
             qfrag, t, g, j, lane - j, base + lane < slots, topk_ids, pair_rank, expert_off, cta_base, pair_row, a_buf,
             chunk, row_token, per_token,
         )  # fmt: skip
+
+
+@cute.jit
+def _dequant_slot(
+    xq,
+    x_scale,
+    slot,
+    nitem,
+    lanes: cutlass.Constexpr,
+    j,
+    lane_bytes: cutlass.Constexpr,
+    raw,
+    vals,
+    qfrag,
+    fmt: cutlass.Constexpr,
+) -> None:
+    """Lane ``j``'s part of the item in ``slot`` of ``dequant_gather_kernel``, dequantized into ``qfrag``."""
+    block = constants.QUANT_BLOCK[fmt]
+    per_lane = ITEM // lanes
+    t = slot // (nitem * lanes)
+    g = slot // lanes - t * nitem
+    cute.autovec_copy(cute.local_tile(xq, (1, lane_bytes), (t, g * lanes + j)), raw)
+    scale_byte = cutlass.Uint32(x_scale[t, g * (ITEM // block) + j * per_lane // block])
+    _dequant_codes(raw, 0, lane_bytes, scale_byte, vals, fmt)
+    qfrag.store(vals.load().to(qfrag.element_type))
 
 
 @cute.kernel

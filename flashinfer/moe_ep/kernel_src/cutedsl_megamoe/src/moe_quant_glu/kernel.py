@@ -59,10 +59,16 @@ class Sm90MegaMoEQuantKernel:
     :param fc1_early_weights: (``swap_ab`` without ``gather_in_fc1``) FC1 issues its first work unit's
         weight loads before waiting for the gather (``SwapDequantGemmSm90(early_w=True)``), which lets FC1
         launch only once its own wait for the routing has returned: the weight stream starts while the
-        activations are still being quantized.
+        activations are still being quantized. Measured on H200 (TUNING.md, session 23): up to 4 % faster
+        at T = 1-2 beside FC2's early loads, 1-2 % slower with 16-token tiles from T = 8.
+    :param gather_early_rows: the activation gather loads and quantizes (or dequantizes) its first items
+        before it waits for the routing, which then triggers its dependents after its own wait (so ``x``
+        is complete when the gather starts); only the gather's stores wait for the routing. Measured on
+        H200 (TUNING.md, session 23): 0-4 % faster at T = 1 to 128, outputs bitwise equal.
     :param fc2_early_weights: (``swap_ab`` only) FC2 issues its first work unit's weight loads before
         waiting for FC1 (``SwapDequantGemmSm90(early_w=True)``), and FC1 lets FC2 launch only once its own
-        wait has returned (FC2 reads the block map before its wait).
+        wait has returned (FC2 reads the block map before its wait). Measured on H200 (TUNING.md, session
+        23): 0-7 % faster at T = 1 to 128, within +-1 % at T = 4096, outputs bitwise equal.
     :param prequantized: ``x`` holds the activation codes in the format (uint8: E4M3 [T, H] or E2M1
         pairs [T, H/2]) and ``x_scale`` their block scales (uint8: UE8M0 [T, H/32] or E4M3 [T, H/16]);
         otherwise ``x`` is bf16 [T, H], quantized by the kernel, and ``x_scale`` is not read.
@@ -92,7 +98,11 @@ class Sm90MegaMoEQuantKernel:
         swap_split_k: int = 1,
         fc2_early_weights: bool = False,
         fc1_early_weights: bool = False,
+        gather_early_rows: bool = False,
     ) -> None:
+        if gather_early_rows and not use_pdl:
+            raise ValueError("gather_early_rows needs use_pdl")
+        self.gather_early_rows = gather_early_rows
         if fc2_early_weights and not (swap_ab and use_pdl):
             raise ValueError("fc2_early_weights needs the swap-AB GEMMs (swap_ab=True) and use_pdl")
         if fc1_early_weights and not (swap_ab and use_pdl and not gather_in_fc1):
@@ -183,6 +193,7 @@ class Sm90MegaMoEQuantKernel:
             1,
             False,
             False,
+            self.gather_early_rows,
         ).launch(grid=[route_ctas, 1, 1], block=[constants.ROUTING_THREADS, 1, 1], stream=stream, use_pdl=pdl)
         # gather_in_fc1: the row -> token map lives in a_buf until FC2 writes y there (FC2 starts after FC1 ends).
         row_token = cute.make_tensor(
@@ -192,12 +203,12 @@ class Sm90MegaMoEQuantKernel:
         if cutlass.const_expr(self.prequantized):
             gather = dequant_gather_kernel(
                 x, x_scale, topk_ids, pair_rank, expert_off, cta_base, pair_row, rows, route_ctas, row_token,
-                self.fmt, self.gather_in_fc1, self.fc1_early_weights,
+                self.fmt, self.gather_in_fc1, self.fc1_early_weights, self.gather_early_rows,
             )  # fmt: skip
         else:
             gather = quant_gather_kernel(
                 x, topk_ids, pair_rank, expert_off, cta_base, pair_row, rows, act_gscale, route_ctas, row_token,
-                self.fmt, self.gather_in_fc1, self.fc1_early_weights,
+                self.fmt, self.gather_in_fc1, self.fc1_early_weights, self.gather_early_rows,
             )  # fmt: skip
         gather.launch(grid=[gather_ctas, 1, 1], block=[self.aux_threads, 1, 1], stream=stream, use_pdl=pdl)
         fc1_rows = {"x_rows": x_rows, "row_token": row_token} if self.gather_in_fc1 else {}
