@@ -48,7 +48,8 @@ class QuantKnobs:
     ``fc2_early_weights`` (``swap_ab``, world size 1): the swap-AB FC2 issues its first work unit's
     weight loads before it waits for FC1, and FC1 lets FC2 launch only after its own wait.
     ``fc1_early_weights`` (``swap_ab`` without ``gather_in_fc1``, world size 1): the same for FC1 behind
-    the activation gather."""
+    the activation gather. ``gather_early_rows`` (world size 1): the activation gather loads and quantizes
+    its first items before it waits for the routing."""
 
     tile_m: int = 128
     fc1_tile_n: int = 256
@@ -64,6 +65,7 @@ class QuantKnobs:
     swap_split_k: int = 1
     fc2_early_weights: bool = False
     fc1_early_weights: bool = False
+    gather_early_rows: bool = False
 
     @property
     def grid(self) -> int:
@@ -202,6 +204,7 @@ class QuantFrontend(KernelFrontend):
             swap_split_k=k.swap_split_k,
             fc2_early_weights=k.fc2_early_weights,
             fc1_early_weights=k.fc1_early_weights,
+            gather_early_rows=k.gather_early_rows,
         )
         return kh.export_moe_quant(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)
 

@@ -50,10 +50,10 @@ class QuantEpFrontend(EpFrontendMixin, QuantFrontend):
             raise ValueError("gather_in_fc1 is a world-size-1 knob (the EP dispatch moves prepared rows already)")
         if self.knobs.swap_split_k != 1:
             raise ValueError("swap_split_k is a world-size-1 knob (the EP kernel has no split-K workspace)")
-        if self.knobs.fc2_early_weights or self.knobs.fc1_early_weights:
+        if self.knobs.fc2_early_weights or self.knobs.fc1_early_weights or self.knobs.gather_early_rows:
             raise ValueError(
-                "fc1_early_weights and fc2_early_weights are world-size-1 knobs (the EP kernels' GEMMs "
-                "follow their own protocol)"
+                "fc1_early_weights, fc2_early_weights and gather_early_rows are world-size-1 knobs (the EP "
+                "kernels follow their own protocol)"
             )
 
     def _export(self, out_dir: Path, function_name: str) -> Path:

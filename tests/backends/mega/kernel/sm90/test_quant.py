@@ -200,6 +200,7 @@ def test_buckets_share_the_weight_layout(fmt: str) -> None:
         assert k.swap_split_k == bk.get("swap_split_k", 1)
         # early weight loads: FC2's in every swap-AB bucket, FC1's where the gather kernel precedes it at T <= 2
         assert k.fc2_early_weights and k.fc1_early_weights == (b.name in ("split16", "sparse16"))
+        assert k.gather_early_rows  # the gather quantizes its first items before it waits for the routing
         assert k.fc1_tile_n == layout.knobs.fc1_tile_n  # one packed layout
     assert len({fe.key.digest() for fe in fes.values()}) == len(fes)
     gathering = {b.name for b in BUCKETS if fes[b.name].knobs.gather_in_fc1}
@@ -579,6 +580,24 @@ def test_early_weights_load_before_the_wait_for_the_kernel_before(tmp_path: Path
     assert orders["both"] == [(0, False), (2, False), (2, True)]
 
 
+@pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")
+@pytest.mark.skipif(kernel_resources.find_cuobjdump() is None, reason="needs cuobjdump (pip install .[test])")
+@pytest.mark.parametrize("prequantized", [False, True])
+def test_gather_early_rows_reads_x_before_the_wait_for_the_routing(tmp_path: Path, prequantized: bool) -> None:
+    """Drop v35: with ``gather_early_rows`` the activation gather loads its first items of ``x`` (``LDG``)
+    before its ``griddepcontrol.wait``, and the routing kernel triggers its dependents after its own wait (so
+    ``x`` is complete when the gather starts); without, the routing triggers first and the gather loads after."""
+    shape = (*TINY, *(["--prequantized-input"] if prequantized else []))
+    orders = {}
+    for early in (False, True):
+        knobs = json.dumps({"tile_m": 16, "swap_ab": True, "gather_early_rows": early})
+        sass = kernel_resources.kernel_sass(_swap_gemm_lib(tmp_path / str(early), knobs, shape=shape))
+        route = next(code for kernel, code in sass.items() if "route" in kernel)
+        gather = next(code for kernel, code in sass.items() if "gather" in kernel)
+        orders[early] = (pdl_order(route)[1], pdl_order(gather, r"\bLDG\b")[0] > 0)
+    assert orders == {False: (True, False), True: (False, True)}
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_prequantized_input_is_a_kernel_variant(fmt: str) -> None:
     """``prequantized_input=True``: every bucket's kernel takes codes and scales (its own cache keys),
@@ -646,7 +665,7 @@ def test_ep_bucket_frontends_take_the_global_experts_and_the_layer_dispatch(fmt:
     with pytest.raises(MoEEpConfigError, match="gather_in_fc1 is a world-size-1 knob"):
         make_frontend(CONFIG[fmt](256, 128, 16, 4, knobs={"tile_m": 16, "swap_ab": True, "gather_in_fc1": True}), 8,
                       None, EpPlacement(2))  # fmt: skip
-    for early in ("fc1_early_weights", "fc2_early_weights"):
+    for early in ("fc1_early_weights", "fc2_early_weights", "gather_early_rows"):
         with pytest.raises(MoEEpConfigError, match="are world-size-1 knobs"):
             make_frontend(CONFIG[fmt](256, 128, 16, 4, knobs={"tile_m": 16, "swap_ab": True, early: True}), 8, None,
                           EpPlacement(2))  # fmt: skip

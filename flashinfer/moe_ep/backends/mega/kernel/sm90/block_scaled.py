@@ -306,8 +306,10 @@ class TokenBucket:
 #:   (``fc2_early_weights``: 0-7 % faster at T = 1 to 128 on the three contracts, both formats, within
 #:   +-1 % at 4096); ``split16`` and ``sparse16`` also FC1 before it waits for the gather
 #:   (``fc1_early_weights``: up to 4 % more at T = 1-2, e.g. MXFP8 qwen3-30b-a3b T = 1 0.955 against
-#:   0.991 with FC2's alone; at ``swap16`` it cost 1-2 %, so not there).
-_EARLY = {"fc2_early_weights": True}
+#:   0.991 with FC2's alone; at ``swap16`` it cost 1-2 %, so not there). Drop v35 (session 23): every
+#:   bucket's activation gather loads and quantizes its first items before it waits for the routing
+#:   (``gather_early_rows``: 0-4 % faster at T = 1 to 128, one row of 36 at 1.001).
+_EARLY = {"fc2_early_weights": True, "gather_early_rows": True}
 _GATHER = {"swap_ab": True, "gather_in_fc1": True, **_EARLY}
 _SPARSE16 = {"tile_m": 16, "swap_ab": True, "swap_atoms": 2, **_EARLY, "fc1_early_weights": True}
 BUCKETS = (
@@ -340,7 +342,7 @@ BUCKETS = (
     TokenBucket("swap128", {"tile_m": 128, **_GATHER}, fallback="prefill"),
 )
 #: bucket knobs of the world-size-1 kernel only (the EP kernels' dispatch moves prepared rows already)
-WORLD1_KNOBS = ("gather_in_fc1", "swap_split_k", "fc2_early_weights", "fc1_early_weights")
+WORLD1_KNOBS = ("gather_in_fc1", "swap_split_k", "fc2_early_weights", "fc1_early_weights", "gather_early_rows")
 #: the knobs of the fallback buckets (over the defaults)
 FALLBACKS = {"decode": {"tile_m": 64}, "prefill": {}}
 
