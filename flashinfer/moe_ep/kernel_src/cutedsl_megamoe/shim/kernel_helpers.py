@@ -67,6 +67,8 @@ SRC_SYMBOLS: dict[str, SrcSymbol] = {
     "moe_bf16_workspace_spec": SrcSymbol("common.host_utils", "moe_bf16_workspace_spec", False, ("shim/bf16.py",)),
     "moe_quant_workspace_spec": SrcSymbol("common.host_utils", "moe_quant_workspace_spec", False, ("shim/quant.py",)),
     "swap_tile_plan": SrcSymbol("common.host_utils", "swap_tile_plan", False, ("shim/quant.py",)),
+    "gemv_shared_bytes": SrcSymbol("common.host_utils", "gemv_shared_bytes", False, ("shim/quant.py",)),
+    "SM90_SMEM_BYTES": SrcSymbol("common.host_utils", "SM90_SMEM_BYTES", False, ("shim/quant.py",)),
     "e2m1_word_sources": SrcSymbol("common.host_utils", "e2m1_word_sources", False, ("tests",)),
     "interleave_gate_up": SrcSymbol("moe_bf16_glu.weights", "interleave_gate_up", False, ("shim/bf16.py",)),
     "deinterleave_gate_up": SrcSymbol("moe_bf16_glu.weights", "deinterleave_gate_up", False, ("tests",)),

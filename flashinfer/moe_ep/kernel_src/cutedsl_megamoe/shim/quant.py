@@ -49,7 +49,11 @@ class QuantKnobs:
     weight loads before it waits for FC1, and FC1 lets FC2 launch only after its own wait.
     ``fc1_early_weights`` (``swap_ab`` without ``gather_in_fc1``, world size 1): the same for FC1 behind
     the activation gather. ``gather_early_rows`` (world size 1): the activation gather loads and quantizes
-    its first items before it waits for the routing."""
+    its first items before it waits for the routing. ``gemv`` (``swap_ab`` with 8 or 16-token tiles, world
+    size 1): FC1 and FC2 as the drop's expert GEMV (``moe_quant_glu.gemv``: every warp streams its
+    weight rows into shared memory with ``cp.async`` and multiplies them with ``mma.sync``; for T <= 4),
+    ``gemv_k_warps`` warps per CTA splitting K (2, 4, 8, 16), ``gemv_stages`` the depth of each warp's
+    ring (2+; warps times stages are bounded by shared memory); the early-weight knobs apply to it alike."""
 
     tile_m: int = 128
     fc1_tile_n: int = 256
@@ -66,6 +70,9 @@ class QuantKnobs:
     fc2_early_weights: bool = False
     fc1_early_weights: bool = False
     gather_early_rows: bool = False
+    gemv: bool = False
+    gemv_k_warps: int = 4
+    gemv_stages: int = 2
 
     @property
     def grid(self) -> int:
@@ -118,7 +125,7 @@ class QuantFrontend(KernelFrontend):
         ``64 * atoms * warpgroups`` weight rows (``swap_tile_plan``). Cached: the bucket choice reads it
         per forward."""
         k, rows = self.knobs, self.geometry.fc1_rows
-        if not k.swap_ab:
+        if not k.swap_ab or k.gemv:
             return None
         atoms, wg = kh.swap_tile_plan(rows, self.gated, k.tile_m, k.swap_wg, k.swap_atoms)
         return rows // (64 * atoms * wg)
@@ -143,9 +150,11 @@ class QuantFrontend(KernelFrontend):
         )  # fmt: skip
         if k.swap_wg not in (1, 2, 4) or k.swap_atoms not in (1, 2, 4):
             raise ValueError(f"swap_wg must be 1, 2 or 4 and swap_atoms 1, 2 or 4, got {k.swap_wg} and {k.swap_atoms}")
+        if k.gemv:  # first: its tile rule differs from the swap-AB GEMMs'
+            self._check_gemv()
         if not 0 <= k.swap_stagger <= MAX_SWAP_STAGGER:
             raise ValueError(f"swap_stagger must be 0 to {MAX_SWAP_STAGGER} K tiles, got {k.swap_stagger}")
-        if k.swap_ab:
+        if k.swap_ab and not k.gemv:
             tiles = kh.constants.SWAP_TOKEN_TILES
             if k.tile_m not in tiles:
                 raise ValueError(f"with swap_ab, tile_m must be one of {tiles} for {self.fmt}, got {k.tile_m}")
@@ -162,7 +171,7 @@ class QuantFrontend(KernelFrontend):
                         f"tiles (at most {SWAP_WG4_WORDS} accumulator and fragment words a thread): use "
                         "swap_atoms=1, or tile_m <= 32 with 2 atoms"
                     )
-        elif k.tile_m not in (64, 128):
+        elif not k.swap_ab and k.tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128 for the {self.fmt} kernel, got {k.tile_m}")
         if k.gather_in_fc1 and not k.swap_ab:
             raise ValueError("gather_in_fc1 needs the swap-AB GEMMs (swap_ab=True)")
@@ -178,6 +187,30 @@ class QuantFrontend(KernelFrontend):
         for n in (k.fc1_tile_n, k.fc2_tile_n):
             if n not in (64, 128, 256):
                 raise ValueError(f"N tiles must be 64, 128 or 256, got {n}")
+
+    def _check_gemv(self) -> None:
+        k, g = self.knobs, self.geometry
+        if not (k.swap_ab and k.tile_m in (8, 16)) or k.gather_in_fc1 or k.swap_split_k != 1:
+            raise ValueError("gemv needs swap_ab=True with tile_m 8 or 16, no gather_in_fc1 and swap_split_k=1")
+        if k.gemv_k_warps not in (2, 4, 8, 16):
+            raise ValueError(f"gemv_k_warps must be 2, 4, 8 or 16, got {k.gemv_k_warps}")
+        if k.gemv_stages < 2:
+            raise ValueError(f"gemv_stages must be 2 or more, got {k.gemv_stages}")
+        smem = kh.gemv_shared_bytes(self.fmt, k.tile_m, k.gemv_k_warps, k.gemv_stages)
+        if smem > kh.SM90_SMEM_BYTES:
+            raise ValueError(
+                f"gemv_k_warps={k.gemv_k_warps} with {k.tile_m}-token blocks and gemv_stages={k.gemv_stages} needs "
+                f"{smem} bytes of shared memory (at most {kh.SM90_SMEM_BYTES}): use fewer warps or stages"
+            )
+        if self.gated and (k.fc1_tile_n != 256 or g.fc1_rows % 256):
+            raise ValueError("gemv needs gate/up rows interleaved per 256 (fc1_tile_n=256, 2I a multiple of 256)")
+        if g.fc1_rows % 64 or g.hidden % 64:
+            raise ValueError(f"gemv needs FC1 rows and H multiples of 64, got {g.fc1_rows} and {g.hidden}")
+        unit = kh.constants.TILE_K * (2 if self.fmt == "nvfp4" else 1)  # the GEMV's K unit
+        if g.hidden % unit or g.intermediate % unit:
+            raise ValueError(
+                f"gemv ({self.fmt}) needs H and I multiples of {unit}, got {g.hidden} and {g.intermediate}"
+            )
 
     def kernel_kwargs(self) -> dict[str, Any]:
         """The constructor keywords of the drop's block-scaled kernels that this frontend fixes (the
@@ -205,6 +238,9 @@ class QuantFrontend(KernelFrontend):
             fc2_early_weights=k.fc2_early_weights,
             fc1_early_weights=k.fc1_early_weights,
             gather_early_rows=k.gather_early_rows,
+            gemv=k.gemv,
+            gemv_k_warps=k.gemv_k_warps,
+            gemv_stages=k.gemv_stages,
         )
         return kh.export_moe_quant(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)
 

@@ -55,6 +55,8 @@ class QuantEpFrontend(EpFrontendMixin, QuantFrontend):
                 "fc1_early_weights, fc2_early_weights and gather_early_rows are world-size-1 knobs (the EP "
                 "kernels follow their own protocol)"
             )
+        if self.knobs.gemv:
+            raise ValueError("gemv is a world-size-1 knob (the EP kernels keep the swap-AB GEMMs)")
 
     def _export(self, out_dir: Path, function_name: str) -> Path:
         g, k = self.geometry, self.knobs

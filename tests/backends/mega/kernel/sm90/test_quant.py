@@ -199,7 +199,8 @@ def test_buckets_share_the_weight_layout(fmt: str) -> None:
         assert k.gather_in_fc1 == bk.get("gather_in_fc1", False)
         assert k.swap_split_k == bk.get("swap_split_k", 1)
         # early weight loads: FC2's in every swap-AB bucket, FC1's where the gather kernel precedes it at T <= 2
-        assert k.fc2_early_weights and k.fc1_early_weights == (b.name in ("split16", "sparse16"))
+        assert k.fc2_early_weights and k.fc1_early_weights == (b.name in ("gemv8", "split16", "sparse16"))
+        assert k.gemv == (b.name == "gemv8") and k.gemv_k_warps == bk.get("gemv_k_warps", 4)
         assert k.gather_early_rows  # the gather quantizes its first items before it waits for the routing
         assert k.fc1_tile_n == layout.knobs.fc1_tile_n  # one packed layout
     assert len({fe.key.digest() for fe in fes.values()}) == len(fes)
@@ -280,6 +281,51 @@ def test_nvfp4_sparse16_serves_while_its_fc1_fits_one_wave(fmt: str) -> None:
     fes = bucket_frontends(CONFIG[fmt](256, 192, 8, 2), 8)
     assert fes["sparse16"].fc1_cta_tiles(8) is None
     assert [token_bucket(t, 2, 8, fmt, fes) for t in range(4)] == [token_bucket(t, 2, 8, fmt) for t in range(4)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gemv8_serves_its_formats_pairs_and_hidden_sizes(fmt: str) -> None:
+    """The expert GEMV bucket (session 24 A/B): up to 1/16 pair per expert (T = 1 on the qwen3 contracts)
+    where H <= 2048 (qwen3-30b-a3b; qwen3-235b-a22b's 4096 and deepseek-v3's 7168 keep the swap-AB
+    buckets), in both formats, and never for callers that give no H, nor in an EP layer (its knobs are
+    world-size-1 knobs)."""
+    last = 1
+    for name in ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3"):
+        c = CONTRACTS[name]
+        cfg = CONFIG[fmt](c.hidden_size, c.intermediate_size, c.num_experts, c.top_k)
+        fes = bucket_frontends(cfg, c.num_experts)
+        picks = [token_bucket(t, c.top_k, c.num_experts, fmt, fes, c.hidden_size) for t in range(1, 10)]
+        if c.hidden_size <= 2048:
+            assert picks[:last] == ["gemv8"] * last and "gemv8" not in picks[last:], (name, picks)
+            assert fes["gemv8"].knobs.gemv and fes["gemv8"].knobs.tile_m == 8 and fes["gemv8"].knobs.gemv_stages == 2
+        else:
+            assert "gemv8" not in picks and "gemv8" not in fes, (name, picks)  # no kernel built for it
+        assert "gemv8" not in [token_bucket(t, c.top_k, c.num_experts, fmt, fes) for t in range(1, 10)]
+        assert "gemv8" not in bucket_frontends(cfg, c.num_experts // 2, EpPlacement(2))
+    assert "gemv8" not in [b.name for b in ep_buckets(2)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gemv_knob_validation(fmt: str) -> None:
+    """``gemv`` needs the swap-AB layout with 8 or 16-token blocks, whole tiles (no split K), no token-row
+    gather, and H and I multiples of its K unit (NVFP4: 128); the EP frontends refuse it."""
+    base = {"swap_ab": True, "tile_m": 8, "gemv": True}
+    bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs=base), 8)
+    bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={**base, "tile_m": 16, "gemv_k_warps": 2}), 8)
+    for bad, match in (
+        ({"tile_m": 32}, "gemv needs swap_ab=True with tile_m 8 or 16"),
+        ({"swap_ab": False}, "gemv needs swap_ab=True"),
+        ({"swap_split_k": 2}, "swap_split_k=1"),
+        ({"gather_in_fc1": True}, "no gather_in_fc1"),
+        ({"gemv_k_warps": 3}, "gemv_k_warps must be 2, 4, 8 or 16"),
+    ):
+        with pytest.raises(MoEEpConfigError, match=match):
+            bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={**base, **bad}), 8)
+    if fmt == "nvfp4":  # I = 192: not a multiple of the 128-element unit (nor of 256 gate/up rows)
+        with pytest.raises(MoEEpConfigError, match="gemv"):
+            bucket_frontends(CONFIG[fmt](256, 192, 8, 2, knobs=base), 8)
+    with pytest.raises(MoEEpConfigError, match="gemv is a world-size-1 knob"):
+        bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs=base), 4, EpPlacement(2))
 
 
 def test_swap_tile_plan() -> None:
@@ -624,8 +670,9 @@ def test_prequantized_input_is_a_kernel_variant(fmt: str) -> None:
 def test_ep_buckets_follow_the_global_tokens() -> None:
     """An EP forward's bucket is the world-size-1 rule at ``world_size * rows`` over the global experts
     (every bucket is reachable: none serves fewer tokens than a world of ranks forwards), without the
-    split-K bucket (a world-size-1 knob: at world size > 1 it would repeat ``sparse16``)."""
-    split_free = [b.name for b in BUCKETS if b.name != "split16"]
+    split-K bucket (a world-size-1 knob: at world size > 1 it would repeat ``sparse16``) and the GEMV
+    bucket (a world-size-1 kernel)."""
+    split_free = [b.name for b in BUCKETS if b.name not in ("split16", "gemv8")]
     assert [b.name for b in ep_buckets(2)] == [b.name for b in ep_buckets(1)] == split_free
     cases = ((0, 2, "sparse16"), (1, 2, "sparse16"), (4, 2, "sparse16"), (5, 2, "swap16"), (64, 2, "swap16"),
              (65, 2, "swap32"), (64, 4, "swap32"), (1000, 2, "swap128"))  # fmt: skip

@@ -65,6 +65,14 @@ def _config(fmt: str, geometry: dict, **scales: float):
     return CONFIG_CLS[fmt](**geometry, **scales)
 
 
+GEMV_KNOBS = {
+    "tile_m": 8,
+    "swap_ab": True,
+    "gemv": True,
+    "fc1_early_weights": True,
+    "fc2_early_weights": True,
+    "gather_early_rows": True,
+}
 #: (name, fmt, geometry) of every variant these tests run; the GPU session script prebuilds them
 #: (the NVFP4 scales are runtime tensors: they do not change the compiled kernel).
 GPU_VARIANTS = [
@@ -154,6 +162,18 @@ GPU_VARIANTS = [
                                          "activation": "relu2", "activation_limit": None,
                                          "knobs": {"tile_m": 32, "swap_ab": True, "gather_in_fc1": True,
                                                    "swap_split_k": 4}})
+    for fmt in FORMATS
+] + [
+    # the expert GEMV (gemv: weights streamed into registers, mma.sync) at every T and activation, with
+    # its early loads; K split over 8 warps per CTA (H = 256: more warps than K units, so some add
+    # zeros), and over 2 warps with several K units each (the loop after the early unit)
+    (f"{fmt}-small-{act}{'' if lim is None else f'-limit{lim:g}'}-gemv", fmt,
+     {**SMALL, "activation": act, "activation_limit": lim, "knobs": GEMV_KNOBS})
+    for fmt in FORMATS for act, lim in ACTIVATIONS
+] + [
+    (f"{fmt}-small1024-swiglu-gemv-k2", fmt, {**SMALL, "hidden_size": 1024, "intermediate_size": 512,
+                                              "activation": "swiglu", "activation_limit": None,
+                                              "knobs": {**GEMV_KNOBS, "gemv_k_warps": 2}})
     for fmt in FORMATS
 ] + [
     # activations given as codes and block scales (every default bucket)
@@ -311,9 +331,16 @@ def test_zero_tokens(fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("t", [100, 800])  # qwen3-30b-a3b: the swap16 and the swap128 bucket
+@pytest.mark.parametrize("t", [1, 100, 800])  # qwen3-30b-a3b: the gemv8, the swap16 and the swap128 bucket
 def test_cuda_graph_replay_equals_eager(fmt: str, t: int) -> None:
     _graph_replay_equals_eager(f"{fmt}-qwen3-30b-a3b", t)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("t", [1, 3])
+def test_gemv_graph_replay_equals_eager(fmt: str, t: int) -> None:
+    """The GEMV at every T of a small layer: graph replays equal the eager call."""
+    _graph_replay_equals_eager(f"{fmt}-small-swiglu-gemv", t)
 
 
 SPLIT_VARIANTS = [v[0] for v in GPU_VARIANTS if "-split" in v[0]]

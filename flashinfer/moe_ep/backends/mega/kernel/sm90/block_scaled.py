@@ -168,7 +168,7 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
     def _bucket(self, tokens: int) -> str:
         """The token bucket of a forward of ``tokens`` rows (host-side shapes: no device sync)."""
         c = self.config
-        return token_bucket(tokens, c.top_k, self.num_local_experts, c.weight_format, self.frontends)
+        return token_bucket(tokens, c.top_k, self.num_local_experts, c.weight_format, self.frontends, c.hidden_size)
 
     def frontend_for(self, tokens: int) -> Any:
         """The drop frontend (kernel and knobs) that serves a forward of ``tokens`` rows: its token
@@ -227,10 +227,23 @@ class TokenBucket:
     format_max_pairs: dict[str, float] = field(default_factory=dict)
     one_wave: tuple[str, ...] = ()
     fc1_parts: int = 1
+    formats: tuple[str, ...] | None = None
+    max_hidden: int | None = None
 
-    def serves(self, t: int, top_k: int, num_experts: int, fmt: str | None = None, frontend: Any = None) -> bool:
+    def serves(
+        self,
+        t: int,
+        top_k: int,
+        num_experts: int,
+        fmt: str | None = None,
+        frontend: Any = None,
+        hidden: int | None = None,
+    ) -> bool:
         """Whether the bucket serves ``t`` tokens; ``frontend`` (this bucket's) for the ``one_wave`` rule,
-        which without it does not apply."""
+        which without it does not apply; ``hidden`` (H) for ``max_hidden`` (a bucket with a bound on H or
+        a list of ``formats`` serves nothing where H or the format is not given)."""
+        if not self.applies_to(fmt, hidden):
+            return False
         bound = self.format_max_pairs.get(fmt, self.max_pairs_per_expert)  # fmt None: the shared bound
         if bound is not None and t * top_k > bound * num_experts:
             return False
@@ -242,6 +255,13 @@ class TokenBucket:
         if tiles is None or (self.fc1_parts > 1 and not frontend.fc1_splits_into(self.fc1_parts)):
             return self.fc1_parts == 1
         return tiles * self.fc1_parts <= frontend.knobs.grid
+
+    def applies_to(self, fmt: str | None, hidden: int | None) -> bool:
+        """Whether the bucket can serve a layer of weight format ``fmt`` and H = ``hidden`` at all
+        (``formats``, ``max_hidden``)."""
+        if self.formats is not None and fmt not in self.formats:
+            return False
+        return self.max_hidden is None or (hidden is not None and hidden <= self.max_hidden)
 
     def knobs_for(self, fmt: str) -> dict[str, Any]:
         """The knobs this bucket sets for weight format ``fmt``."""
@@ -309,10 +329,33 @@ class TokenBucket:
 #:   0.991 with FC2's alone; at ``swap16`` it cost 1-2 %, so not there). Drop v35 (session 23): every
 #:   bucket's activation gather loads and quantizes its first items before it waits for the routing
 #:   (``gather_early_rows``: 0-4 % faster at T = 1 to 128, one row of 36 at 1.001).
+#: - ``gemv8`` (drop v36, session 24): FC1 and FC2 as the expert GEMV (``gemv``: every warp streams its
+#:   weight rows through a 2-deep ``cp.async`` ring, ``mma.sync``, 8-token M blocks, K over 4 warps per
+#:   CTA) where it measured faster than the swap-AB buckets (interleaved A/B in CUDA graphs, TUNING.md
+#:   "Session 24"): T = 1 (1/16 pair per expert) on H <= 2048, qwen3-30b-a3b: NVFP4 0.88x, MXFP8 0.86x
+#:   of ``split16``'s time. Not elsewhere: on qwen3-235b-a22b it was 2-10 % slower than ``sparse16`` /
+#:   ``swap16`` at T = 1-8 but for T = 4 (equal), on qwen3-30b-a3b T = 2-8 within -4 / +2 % of the swap-AB
+#:   buckets, on deepseek-v3 10-30 % slower at every T.
 _EARLY = {"fc2_early_weights": True, "gather_early_rows": True}
 _GATHER = {"swap_ab": True, "gather_in_fc1": True, **_EARLY}
 _SPARSE16 = {"tile_m": 16, "swap_ab": True, "swap_atoms": 2, **_EARLY, "fc1_early_weights": True}
 BUCKETS = (
+    TokenBucket(
+        "gemv8",
+        {
+            "tile_m": 8,
+            "swap_ab": True,
+            "gemv": True,
+            "gemv_k_warps": 4,
+            "gemv_stages": 2,
+            **_EARLY,
+            "fc1_early_weights": True,
+        },
+        max_pairs_per_expert=0.0625,
+        fallback="decode",
+        formats=("mxfp8", "nvfp4"),
+        max_hidden=2048,
+    ),
     TokenBucket(
         "split16",
         {**_SPARSE16, "swap_split_k": 2},
@@ -342,18 +385,34 @@ BUCKETS = (
     TokenBucket("swap128", {"tile_m": 128, **_GATHER}, fallback="prefill"),
 )
 #: bucket knobs of the world-size-1 kernel only (the EP kernels' dispatch moves prepared rows already)
-WORLD1_KNOBS = ("gather_in_fc1", "swap_split_k", "fc2_early_weights", "fc1_early_weights", "gather_early_rows")
+WORLD1_KNOBS = (
+    "gather_in_fc1",
+    "swap_split_k",
+    "fc2_early_weights",
+    "fc1_early_weights",
+    "gather_early_rows",
+    "gemv",
+    "gemv_k_warps",
+    "gemv_stages",
+)
 #: the knobs of the fallback buckets (over the defaults)
 FALLBACKS = {"decode": {"tile_m": 64}, "prefill": {}}
 
 
 def token_bucket(
-    t: int, top_k: int, num_experts: int, fmt: str | None = None, frontends: dict[str, Any] | None = None
+    t: int,
+    top_k: int,
+    num_experts: int,
+    fmt: str | None = None,
+    frontends: dict[str, Any] | None = None,
+    hidden: int | None = None,
 ) -> str:
     """The bucket serving ``t`` tokens routed ``top_k`` ways over ``num_experts`` (host-side shapes), for
     weight format ``fmt`` (None: the bounds every format shares); ``frontends`` (``bucket_frontends``)
-    for the rules that depend on the kernels' tiles (``TokenBucket.one_wave``)."""
-    return next(b.name for b in BUCKETS if b.serves(t, top_k, num_experts, fmt, (frontends or {}).get(b.name)))
+    for the rules that depend on the kernels' tiles (``TokenBucket.one_wave``); ``hidden`` (H) for the
+    buckets bounded by it (``TokenBucket.max_hidden``: without it they serve nothing)."""
+    fes = frontends or {}
+    return next(b.name for b in BUCKETS if b.serves(t, top_k, num_experts, fmt, fes.get(b.name), hidden))
 
 
 #: the drop frontend of each weight format (world size 1, and expert parallel)
@@ -369,6 +428,9 @@ def bucket_frontends(
     cannot serve the geometry (``QuantFrontend.check``: sizes not multiples of 128, gate/up not
     interleaved per 256), the bucket's fallback frontend (64 or 128-row M tiles) does."""
     buckets = BUCKETS if ep is None else ep_buckets(ep.world_size)
+    # buckets that never serve this layer (its format or H) get no frontend (no kernel to build or load)
+    fmt, hidden = config.weight_format, config.hidden_size
+    buckets = tuple(b for b in buckets if b.applies_to(fmt, hidden))
     tiles = {k: v for k, v in (config.knobs or {}).items() if k not in EP_KNOBS}
     if tiles:
         one = make_frontend(config, num_local_experts, None, ep)
@@ -401,7 +463,7 @@ def ep_buckets(world_size: int) -> tuple[TokenBucket, ...]:
     the one bucket of T = 1, so no token count below the world size is left out), but not those that
     only add a split K (``fc1_parts``): the EP kernels have no split-K workspace (``swap_split_k`` is a
     world-size-1 knob), so there they would repeat their base bucket."""
-    return tuple(b for b in BUCKETS if b.fc1_parts == 1)
+    return tuple(b for b in BUCKETS if b.fc1_parts == 1 and not b.knobs.get("gemv"))
 
 
 def ep_token_bucket(

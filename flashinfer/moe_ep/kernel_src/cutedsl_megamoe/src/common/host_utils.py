@@ -65,6 +65,20 @@ def max_rows(max_tokens: int, top_k: int, num_experts: int, tile_m: int, cluster
     return round_up(pairs + min(num_experts, pairs) * (tile_m - 1), tile_m * cluster_m)
 
 
+#: shared memory an SM90 CTA may use (227 KiB)
+SM90_SMEM_BYTES = 227 * 1024
+
+
+def gemv_shared_bytes(fmt: str, tok_tile: int, k_warps: int, stages: int) -> int:
+    """Shared memory of a ``moe_quant_glu.gemv`` CTA: each warp's ``stages``-deep ring (per stage the 16
+    data bytes and a scale word of its 8 weight rows per lane, and the token chunks of every 8-column
+    group: 2 (MXFP8) or 4 (NVFP4) 16-byte chunks per lane), and the K slices' fp32 partial sums."""
+    groups = tok_tile // 8
+    chunks = 2 if fmt == "mxfp8" else 4
+    stage = 8 * 32 * 16 + 8 * 32 * 4 + groups * chunks * 32 * 16
+    return k_warps * stages * stage + k_warps * 16 * groups * 32 * 4
+
+
 def swap_tile_plan(rows: int, gated: bool, tok_tile: int, max_wg: int = 2, max_atoms: int = 4) -> tuple[int, int]:
     """(WGMMA atoms of 64 weight rows per warpgroup, warpgroups per CTA) of the swap-AB GEMM
     (``moe_quant_glu.swap_gemm``) over a weight matrix of ``rows`` rows with ``tok_tile`` tokens.

@@ -31,7 +31,13 @@ def check_problem(kernel: Sm90MegaMoEQuantKernel, hidden: int, inter: int, num_e
     if hidden % constants.TILE_K or inter % constants.TILE_K:
         raise ValueError(f"H and I must be multiples of {constants.TILE_K}")
     n1 = 2 * inter if kernel.activation in constants.GATED_ACTIVATIONS else inter
-    if kernel.swap_ab:
+    if getattr(kernel, "gemv", False):
+        if n1 % (constants.SWAP_GATE_UP_BLOCK if gated_act(kernel) else 64) or hidden % 64:
+            raise ValueError(f"gemv: FC1 N={n1} must divide by 256 (gated) or 64, H={hidden} by 64")
+        unit = kernel.fc1.unit_k
+        if hidden % unit or inter % unit:
+            raise ValueError(f"gemv ({kernel.fmt}): H={hidden} and I={inter} must be multiples of {unit}")
+    elif kernel.swap_ab:
         gated = kernel.activation in constants.GATED_ACTIVATIONS
         swap_tile_plan(n1, gated, kernel.tile_m, kernel.fc1.max_wg, kernel.fc1.max_atoms)
         swap_tile_plan(hidden, False, kernel.tile_m, kernel.fc2.max_wg, kernel.fc2.max_atoms)
@@ -41,6 +47,10 @@ def check_problem(kernel: Sm90MegaMoEQuantKernel, hidden: int, inter: int, num_e
         )
     if top_k < 1:
         raise ValueError("top_k must be >= 1")
+
+
+def gated_act(kernel: Any) -> bool:
+    return kernel.activation in constants.GATED_ACTIVATIONS
 
 
 def fake_arguments(kernel: Sm90MegaMoEQuantKernel, hidden: int, inter: int, num_experts: int, top_k: int) -> list[Any]:

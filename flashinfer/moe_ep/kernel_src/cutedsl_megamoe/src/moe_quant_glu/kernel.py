@@ -9,7 +9,8 @@
    with ``gather_in_fc1`` into the token's own row of ``x_rows`` once, plus the row map, and FC1
    gathers its B rows from there (``swap_gemm`` ``gather_b``);
 3. FC1: packed weights dequantized to BF16 (in shared memory, ``dequant_gemm``, or with
-   ``swap_ab`` for decode in registers, ``swap_gemm``), BF16 WGMMA, the activation and the
+   ``swap_ab`` for decode in registers, ``swap_gemm``; with ``gemv``, a GEMV of ``mma.sync`` whose warps
+   stream their own weight rows, ``gemv``), BF16 WGMMA (``mma.sync`` for the GEMV), the activation and the
    requantization to the FC2 input format in the epilogue -> ``h_buf`` (exact BF16 values);
 4. FC2 the same way -> ``a_buf`` reused as y [M_cap, H] bf16;
 5. combine (the BF16 kernel's): ``out[t] = bf16(sum_k w[t,k] * y)``, k in order.
@@ -27,6 +28,7 @@ from ..common import constants
 from ..moe_bf16_glu import aux_kernels
 from .aux_kernels import dequant_gather_kernel, gather_threads, quant_gather_kernel
 from .dequant_gemm import DequantGroupedGemmSm90
+from .gemv import GEMV_TOKEN_TILES, GemvDequantSm90
 from .swap_gemm import SwapDequantGemmSm90
 
 
@@ -69,6 +71,14 @@ class Sm90MegaMoEQuantKernel:
         waiting for FC1 (``SwapDequantGemmSm90(early_w=True)``), and FC1 lets FC2 launch only once its own
         wait has returned (FC2 reads the block map before its wait). Measured on H200 (TUNING.md, session
         23): 0-7 % faster at T = 1 to 128, within +-1 % at T = 4096, outputs bitwise equal.
+    :param gemv: (``swap_ab`` with 8 or 16-token tiles only) FC1 and FC2 as ``gemv.GemvDequantSm90``: every
+        warp streams its weight rows through a ``cp.async`` ring of its own and multiplies them with
+        ``mma.sync``; one CTA per (M block, 64 weight rows) with ``gemv_k_warps`` warps splitting K. For the
+        smallest T, where the swap-AB GEMMs are bound by their K loop's latency rather than the weight
+        bytes. ``fc1_early_weights`` and ``fc2_early_weights`` apply to it as to the swap-AB GEMMs.
+    :param gemv_k_warps: warps per GEMV CTA (2, 4, 8, 16).
+    :param gemv_stages: the depth of each GEMV warp's ``cp.async`` ring (2 or more; with the warps, shared
+        memory bounds it: ``common.host_utils.gemv_shared_bytes``).
     :param prequantized: ``x`` holds the activation codes in the format (uint8: E4M3 [T, H] or E2M1
         pairs [T, H/2]) and ``x_scale`` their block scales (uint8: UE8M0 [T, H/32] or E4M3 [T, H/16]);
         otherwise ``x`` is bf16 [T, H], quantized by the kernel, and ``x_scale`` is not read.
@@ -99,7 +109,13 @@ class Sm90MegaMoEQuantKernel:
         fc2_early_weights: bool = False,
         fc1_early_weights: bool = False,
         gather_early_rows: bool = False,
+        gemv: bool = False,
+        gemv_k_warps: int = 4,
+        gemv_stages: int = 2,
     ) -> None:
+        if gemv and not (swap_ab and tile_m in GEMV_TOKEN_TILES and not gather_in_fc1 and swap_split_k == 1):
+            raise ValueError(f"gemv needs swap_ab=True, tile_m in {GEMV_TOKEN_TILES}, no gather_in_fc1, swap_split_k=1")
+        self.gemv = gemv
         if gather_early_rows and not use_pdl:
             raise ValueError("gather_early_rows needs use_pdl")
         self.gather_early_rows = gather_early_rows
@@ -112,7 +128,7 @@ class Sm90MegaMoEQuantKernel:
             raise ValueError(f"unknown format {fmt!r}")
         if activation not in constants.ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}")
-        if swap_ab and tile_m not in constants.SWAP_TOKEN_TILES:
+        if swap_ab and not gemv and tile_m not in constants.SWAP_TOKEN_TILES:
             raise ValueError(f"with swap_ab, tile_m must be one of {constants.SWAP_TOKEN_TILES}, got {tile_m}")
         if not swap_ab and tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {tile_m}")
@@ -136,7 +152,7 @@ class Sm90MegaMoEQuantKernel:
         self.fc1, self.fc2 = quant_gemms(
             fmt, tile_m, fc1_tile_n, fc2_tile_n, activation, limit, num_sms, fc1_stages, fc2_stages, swap_ab, swap_wg,
             probe, bf_buffers, swap_atoms, swap_stagger, gather_in_fc1, swap_split_k, fc2_early_weights,
-            fc1_early_weights,
+            fc1_early_weights, gemv, gemv_k_warps, gemv_stages,
         )  # fmt: skip
 
     @cute.jit
@@ -214,6 +230,8 @@ class Sm90MegaMoEQuantKernel:
         fc1_rows = {"x_rows": x_rows, "row_token": row_token} if self.gather_in_fc1 else {}
         # FC1 and FC2 share the split-K workspaces: FC2 waits for FC1's end (griddepcontrol) before its loop.
         split = {"split_ws": split_ws, "split_count": split_count} if self.swap_split_k > 1 else {}
+        if cutlass.const_expr(self.gemv):
+            split = {"max_blocks": num_tokens * top_k}  # the routing's M blocks at most
         self.fc1.launch(
             a_buf, w13, w13_scale, h_buf, m_block_expert, meta, w13_gscale, act_gscale, stream, pdl,
             **fc1_rows, **split,
@@ -244,6 +262,9 @@ def quant_gemms(
     swap_split_k: int = 1,
     fc2_early_weights: bool = False,
     fc1_early_weights: bool = False,
+    gemv: bool = False,
+    gemv_k_warps: int = 4,
+    gemv_stages: int = 2,
 ) -> tuple:
     """FC1 (the activation and the requantization to the FC2 input format in its epilogue) and FC2 of the
     block-scaled kernels (world size 1 and EP): the swap-AB GEMMs (weights dequantized in registers,
@@ -251,7 +272,15 @@ def quant_gemms(
     ``gather_in_fc1``: the swap-AB FC1 loads its token rows itself (``SwapDequantGemmSm90(gather_b=True)``);
     ``swap_split_k``: their split K (``SwapDequantGemmSm90(split_k=...)``); ``fc2_early_weights``: FC2's
     weight loads before its wait (``early_w``), FC1's trigger after its own; ``fc1_early_weights``: FC1's
-    weight loads before its wait (the gather before it triggers after its own wait)."""
+    weight loads before its wait (the gather before it triggers after its own wait); ``gemv``: both as
+    ``gemv.GemvDequantSm90`` (the same early loads)."""
+    if gemv:
+        fc1 = GemvDequantSm90(fmt, tile_m, activation, limit, requant=True, k_warps=gemv_k_warps,
+                              early_w=fc1_early_weights, trigger_after_wait=fc2_early_weights,
+                              stages=gemv_stages)  # fmt: skip
+        fc2 = GemvDequantSm90(fmt, tile_m, "plain", None, gscale_index=1, k_warps=gemv_k_warps,
+                              early_w=fc2_early_weights, stages=gemv_stages)  # fmt: skip
+        return fc1, fc2
     if swap_ab:
         swap = {"max_wg": swap_wg, "max_atoms": swap_atoms, "stagger": swap_stagger, "split_k": swap_split_k}
         fc1 = SwapDequantGemmSm90(

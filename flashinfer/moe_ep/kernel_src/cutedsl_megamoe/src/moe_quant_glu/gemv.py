@@ -1,0 +1,369 @@
+"""Block-scaled expert GEMV for decode: few tokens per expert, every warp streaming its own weight rows.
+
+At T = 1 the swap-AB GEMMs (``swap_gemm``) are bound by the latency of each CTA's serial K loop
+(TMA ring, mbarriers, one CTA per 256-512 weight rows: TUNING.md, sessions 19-22), not by the weight
+bytes: their NVFP4 GEMMs run at 16 % of the DRAM rate there. This kernel has no warp specialization,
+no TMA and no mbarrier: every warp copies its own weight words with 16-byte ``cp.async`` into a ring of
+its own in shared memory, converts them in registers (the same exact conversions, ``block_quant``) and
+multiplies them with ``mma.sync`` (m16n8k16, BF16, fp32 accumulators), tokens as N (8 per MMA).
+Measured on H200 (TUNING.md, session 24): the layer 7-14 % faster than with the swap-AB GEMMs at
+qwen3-30b-a3b T = 1, not faster at larger T or on the larger models:
+
+- work unit = one M block of the routing (``m_block_expert``: one expert, up to ``tok_tile`` of its
+  pairs) times one *row warp*: 64 weight rows, as four 16-row MMA atoms. Gated FC1: the 32 features
+  ``32 W .. 32 W + 31`` of row warp W, atom a holding the gate rows of features ``8a + i`` in its
+  first 8 rows and their up rows (128 rows further, ``SWAP_GATE_UP_BLOCK``) in its last 8, so the
+  activation pairs up in-thread. Otherwise 64 consecutive output rows, atom a rows ``16a .. 16a + 15``.
+  This is the row assignment of a ``swap_gemm`` warp with four atoms, so its epilogue is reused
+  unchanged (activation, requantization, stores of the real token columns only).
+- one CTA per unit (a grid of ``max_blocks * row warps``; units past the routing's block count
+  exit), ``k_warps`` warps splitting K: warp w takes K units ``w, w + k_warps, ...`` (a unit is 64 K
+  for MXFP8, 128 for NVFP4); the partial accumulators meet in shared memory and warp 0 sums them in
+  warp order (deterministic) and runs the epilogue. Many small CTAs, not a persistent grid: the
+  hardware starts the next unit on an SM while its other CTAs still stream.
+- the ring: ``stages`` deep per warp; unit j + stages - 1 is copied while unit j is converted and
+  multiplied (one ``cp.async`` group per unit, ``cp.async.wait_group``). Every lane reads back only the
+  bytes it copied itself, so the ring needs no barrier, and a stage is refilled only after the lane's
+  reads of it have been consumed by its MMAs.
+- the K order inside a unit is relabeled so that a lane loads whole 16-byte segments of the packed
+  rows (``weights.SEGMENT_ORDER``): lane ``(i, q)`` (``i = lane // 4``, ``q = lane % 4``) loads
+  segment ``q`` (MXFP8: K16 block q of the K tile) or segment ``q % 2`` of K tile ``q // 2`` (NVFP4:
+  two K tiles per unit) of its rows, and word ``q'`` of that segment feeds MMA ``q'`` (NVFP4: MMAs
+  ``(q', 0)`` and ``(q', 1)``, the segment's two K16 blocks). The token operand follows the same
+  relabeling: lane ``(n, q)`` loads K elements ``16 q .. 16 q + 15`` (NVFP4 ``32 q .. 32 q + 31``) of
+  the unit from token column n's row. Every product is the same as in ``swap_gemm``; only the fp32
+  summation order differs.
+
+``early_w``: the first ``stages - 1`` K units' weight words and scales are copied before
+``griddepcontrol.wait`` (they join the first unit's ``cp.async`` group)
+(the block map read with ld.relaxed.gpu: the kernel before must trigger its dependents after its own
+wait, as for ``swap_gemm``'s ``early_w``).
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint32
+
+from ..common import constants
+from ..common.host_utils import SM90_SMEM_BYTES, gemv_shared_bytes
+from ..src import block_quant as bq
+from .swap_gemm import SwapDequantGemmSm90
+
+ROW_WARP_ROWS = 64  # weight rows per row warp (four 16-row MMA atoms)
+GEMV_K_WARPS = (2, 4, 8, 16)
+GEMV_TOKEN_TILES = (8, 16)
+
+
+def cp_async(dst: Int32, src: Int64, size: int, pred) -> None:
+    """``size`` bytes (4 or 16) global -> shared, asynchronously (this thread's ``cp.async`` group); zeros
+    where ``pred`` does not hold (source size 0: nothing is read)."""
+    cache = "cg" if size == 16 else "ca"  # 16-byte copies bypass L1
+    cute.arch.inline_ptx(
+        "{ .reg .pred p; .reg .b32 n; setp.ne.b32 p, {$r2}, 0; selp.b32 n, "
+        + str(size)
+        + ", 0, p;\n"
+        + f"cp.async.{cache}.shared.global [{{$r0}}], [{{$r1}}], {size}, n; }}",
+        read_only_args=[dst, src, Int32(pred)],
+    )
+
+
+def cp_async_commit() -> None:
+    cute.arch.inline_ptx("cp.async.commit_group;")
+
+
+def cp_async_wait(pending: int) -> None:
+    """Until at most ``pending`` of this thread's most recent ``cp.async`` groups are in flight."""
+    cute.arch.inline_ptx(f"cp.async.wait_group {pending};")
+
+
+def mma_bf16_16816(a: list, b: list, c: list) -> tuple[Float32, Float32, Float32, Float32]:
+    """``mma.sync`` m16n8k16, BF16 operands, fp32 accumulators: D = A B + C (fragments as in the PTX ISA)."""
+    return cute.arch.inline_ptx(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, "
+        "{{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, {{$r6}, {$r7}, {$r8}, {$r9}};",
+        write_only_types=[Float32, Float32, Float32, Float32],
+        read_only_args=[*a, *b, *c],
+    )
+
+
+class GemvDequantSm90(SwapDequantGemmSm90):
+    """One expert GEMV stage (FC1 or FC2) for decode; compile-time knobs only. Shares ``swap_gemm``'s
+    epilogue (its warp with four atoms); ``launch`` takes the same operands plus ``max_blocks``."""
+
+    def __init__(
+        self,
+        fmt: str,
+        tok_tile: int,
+        epilogue: str,
+        limit: float | None,
+        requant: bool = False,
+        gscale_index: int = 0,
+        k_warps: int = 4,
+        early_w: bool = False,
+        trigger_after_wait: bool = False,
+        stages: int = 2,
+    ) -> None:
+        super().__init__(fmt, 16, epilogue, limit, 1, requant=requant, gscale_index=gscale_index)
+        self.tok_tile = tok_tile
+        if tok_tile not in GEMV_TOKEN_TILES:
+            raise ValueError(f"the GEMV takes M blocks of {GEMV_TOKEN_TILES} tokens, got tok_tile={tok_tile}")
+        if k_warps not in GEMV_K_WARPS:
+            raise ValueError(f"k_warps must be one of {GEMV_K_WARPS}, got {k_warps}")
+        self.k_warps = k_warps
+        self.early_w = early_w
+        self.trigger_after_wait = trigger_after_wait
+        # The epilogue's view: one warpgroup of four-atom warps (swap_gemm._setup with atoms = 4).
+        self.atoms = 4
+        self.num_wg = 1
+        self.groups = self.atoms if self.gated else 2 * self.atoms
+        self.wg_rows = 64 * self.atoms
+        self.wg_out = self.wg_rows // 2 if self.gated else self.wg_rows
+        self.block_warps = max(1, constants.QUANT_BLOCK[fmt] // 8 // self.groups) if requant else 1
+        assert self.block_warps == 1  # a requantization block never spans row warps
+        self.epi_chunk = 1
+        self.col_groups = tok_tile // 8
+        self.unit_k = constants.TILE_K * (2 if fmt == constants.FMT_NVFP4 else 1)
+        self.x_chunks = 2 if fmt == constants.FMT_MXFP8 else 4  # 16-byte token chunks per lane and unit
+        if stages < 2:
+            raise ValueError(f"the GEMV ring needs 2 stages at least, got {stages}")
+        self.stages = stages
+        # one ring stage of a warp: 16 data bytes and a scale word per (row, lane), then the token chunks
+        self.scales_at = 2 * self.atoms * 32 * 16
+        self.tokens_at = self.scales_at + 2 * self.atoms * 32 * 4
+        self.stage_bytes = self.tokens_at + self.col_groups * self.x_chunks * 32 * 16
+        self.ring_bytes = stages * self.stage_bytes
+        smem = gemv_shared_bytes(fmt, tok_tile, k_warps, stages)
+        assert smem == k_warps * (self.ring_bytes + 4 * self.atoms * self.col_groups * 32 * 4)
+        if smem > SM90_SMEM_BYTES:
+            raise ValueError(
+                f"the GEMV's rings need {smem} bytes of shared memory with {k_warps} warps, {tok_tile}-token "
+                f"blocks and {stages} stages (at most {SM90_SMEM_BYTES}): fewer warps"
+            )
+
+    def launch(
+        self,
+        act: cute.Tensor,  # (M_cap, K) bf16: the permuted activations
+        w_data: cute.Tensor,  # [E, K/64, N, D] uint8 (weights.pack_quantized_matrix)
+        w_scale: cute.Tensor,  # [E, K/64, N, S] uint8
+        c: cute.Tensor,  # (M_cap, N_out) bf16
+        m_block_expert: cute.Tensor,
+        meta: cute.Tensor,
+        w_gscale: cute.Tensor,
+        act_gscale: cute.Tensor,
+        stream,
+        use_pdl: bool = False,
+        max_blocks=1,
+    ) -> None:
+        """Trace-time: the grid (``max_blocks``, dynamic, bounds the routing's M blocks: ``T * top_k``)."""
+        n_rows = w_data.shape[2]
+        k = w_data.shape[1] * constants.TILE_K
+        if n_rows % ROW_WARP_ROWS or (self.gated and n_rows % constants.SWAP_GATE_UP_BLOCK):
+            raise ValueError(f"GEMV: N={n_rows} must be a multiple of 64 (gated: of 256)")
+        if k % self.unit_k:
+            raise ValueError(f"GEMV ({self.fmt}): K={k} must be a multiple of {self.unit_k}")
+        row_warps = n_rows // ROW_WARP_ROWS
+        n_acc = 4 * self.atoms * self.col_groups
+        partial = cute.make_layout((self.k_warps, n_acc, 32), stride=(32 * n_acc, 32, 1))  # lanes contiguous
+        self.k = k
+        self.kernel(w_data, w_scale, act, c, m_block_expert, meta, w_gscale, act_gscale, partial, row_warps).launch(
+            grid=[cutlass.max(cutlass.min(max_blocks, m_block_expert.shape[0]), 1) * row_warps, 1, 1],
+            block=[32 * self.k_warps, 1, 1],
+            stream=stream,
+            use_pdl=use_pdl,
+        )
+
+    # ---------------------------------------------------------------- device code
+    @cute.kernel
+    def kernel(
+        self,
+        mW: cute.Tensor,
+        mS: cute.Tensor,
+        mA: cute.Tensor,
+        mC: cute.Tensor,
+        m_block_expert: cute.Tensor,
+        meta: cute.Tensor,
+        w_gscale: cute.Tensor,
+        act_gscale: cute.Tensor,
+        partial_layout: cute.Layout,
+        row_warps: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = tidx % 32
+        smem = cutlass.utils.SmemAllocator()
+        sPartial = smem.allocate_tensor(Float32, partial_layout, 16)
+
+        m_blk = bidx // row_warps
+        row_warp = bidx - m_blk * row_warps
+        n_rows = mW.shape[2]
+        k_tiles = mW.shape[1]
+        n_units = k_tiles * constants.TILE_K // self.unit_k
+        offsets = self._row_offsets(row_warp, lane)
+
+        # This warp's cp.async ring: its K units j = 0, 1, ... (unit warp + j * k_warps) in stage j % stages.
+        ring = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(self.k_warps * self.ring_bytes), 128)
+        ring_base = bq.smem_addr(ring.iterator) + warp * self.ring_bytes
+        kw = self.k_warps
+        mine = cutlass.max(n_units - warp + kw - 1, 0) // kw  # this warp's K units
+        if cutlass.const_expr(self.early_w):
+            blocks = cute.arch.load(meta.iterator.llvm_ptr, Int32, sem="relaxed", scope="gpu")
+            e_early = Int32(0)
+            if m_blk < blocks:
+                entry_ptr = (m_block_expert.iterator + m_blk).llvm_ptr
+                e_early = cute.arch.load(entry_ptr, Int32, sem="relaxed", scope="gpu") & 0xFFFF
+            for j in cutlass.range_constexpr(self.stages - 1):
+                pre = ring_base + j * self.stage_bytes
+                self._copy_weights(pre, mW, mS, e_early, warp + j * kw, j < mine, k_tiles, n_rows, offsets, lane)
+        if cutlass.const_expr(not self.trigger_after_wait):
+            cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.griddepcontrol_wait()
+        if cutlass.const_expr(self.trigger_after_wait):
+            cute.arch.griddepcontrol_launch_dependents()
+
+        if m_blk < meta[0]:
+            block = m_block_expert[m_blk]
+            expert = block & 0xFFFF
+            valid_rows = block >> 16
+            alpha = self._alpha(expert, w_gscale, act_gscale)
+            out_gs = self._out_gscale(act_gscale)
+            acc = cute.make_rmem_tensor(((2, 2, self.col_groups), self.atoms, 1), Float32)
+            acc.fill(0.0)
+            # The first stages-1 units: one cp.async group each (the early weight copies join the first).
+            for j in cutlass.range_constexpr(self.stages - 1):
+                first = ring_base + j * self.stage_bytes
+                if cutlass.const_expr(not self.early_w):
+                    self._copy_weights(first, mW, mS, expert, warp + j * kw, j < mine, k_tiles, n_rows, offsets, lane)
+                self._copy_tokens(first, mA, m_blk, valid_rows, warp + j * kw, j < mine, lane)
+                cp_async_commit()
+            for i in cutlass.range(mine, unroll=1):
+                nxt = i + self.stages - 1
+                fill = ring_base + (nxt % self.stages) * self.stage_bytes  # unit i - 1's, consumed
+                self._copy_weights(fill, mW, mS, expert, warp + nxt * kw, nxt < mine, k_tiles, n_rows, offsets, lane)
+                self._copy_tokens(fill, mA, m_blk, valid_rows, warp + nxt * kw, nxt < mine, lane)
+                cp_async_commit()
+                cp_async_wait(self.stages - 1)  # unit i's group (and every one before) has landed
+                self._unit_mma(acc, ring_base + (i % self.stages) * self.stage_bytes, valid_rows, lane)
+            # K slices -> warp 0, summed in warp order
+            n_acc = cute.size(acc)
+            if warp > 0:
+                for r in cutlass.range_constexpr(n_acc):
+                    sPartial[warp, r, lane] = acc[r]
+            cute.arch.barrier()
+            if warp == 0:
+                for r in cutlass.range_constexpr(n_acc):
+                    v = acc[r]
+                    for w in cutlass.range_constexpr(1, self.k_warps):
+                        v = v + sPartial[w, r, lane]
+                    acc[r] = v
+                self._epilogue(acc, mC, m_blk, 0, 0, row_warp, lane, valid_rows, alpha, out_gs, None)
+
+    def _row_offsets(self, row_warp, lane) -> list:
+        """offsets[a][h] = (weight row, 16-byte slot of the lane's segment in it) of atom a, row half h."""
+        i = lane >> 2
+        q = lane & 3
+        d = self.data_bytes
+        out = []
+        for a in range(self.atoms):
+            row_h = []
+            for h in range(2):
+                if cutlass.const_expr(self.gated):
+                    f = row_warp * 32 + a * 8 + i  # feature: gate row, up row 128 further
+                    half = constants.SWAP_GATE_UP_BLOCK // 2
+                    row = (f // half) * constants.SWAP_GATE_UP_BLOCK + f % half + h * half
+                else:
+                    row = row_warp * ROW_WARP_ROWS + a * 16 + h * 8 + i
+                seg = q if self.fmt == constants.FMT_MXFP8 else q & 1
+                swz = (row // (128 // d)) % self.segs
+                row_h.append((row, seg ^ swz))
+            out.append(row_h)
+        return out
+
+    def _copy_weights(self, stage, mW, mS, expert, u, pred, k_tiles, n_rows, offsets, lane) -> None:
+        """K unit ``u`` of the lane's eight rows into ring stage ``stage`` (row 2a + h: its 16 data bytes at
+        ``DATA + r * 512 + lane * 16``, the 4-byte-aligned word holding its scale at ``SCALES + r * 128 + lane
+        * 4``); zeros where ``pred`` does not hold."""
+        q = lane & 3
+        kt = u if self.fmt == constants.FMT_MXFP8 else 2 * u + (q >> 1)
+        plane = (Int64(expert) * k_tiles + kt) * n_rows  # first row of (expert, K tile)
+        w_base = mW.iterator.toint()
+        s_base = mS.iterator.toint()
+        for a in range(self.atoms):
+            for h in range(2):
+                r = 2 * a + h
+                row, slot = offsets[a][h]
+                data = w_base + (plane + row) * self.data_bytes + slot * constants.QUANT_SEGMENT_BYTES
+                cp_async(stage + r * 512 + lane * 16, data, 16, pred)
+                scale = s_base + (plane + row) * self.scales_per_tile  # MXFP8: 2 bytes, 2-aligned
+                if cutlass.const_expr(self.fmt == constants.FMT_MXFP8):
+                    scale = scale - (row & 1) * 2  # the word holding rows (row & ~1, row | 1)
+                cp_async(stage + self.scales_at + r * 128 + lane * 4, scale, 4, pred)
+
+    def _copy_tokens(self, stage, mA, m_blk, valid_rows, u, pred, lane) -> None:
+        """The token operand of K unit ``u`` into ring stage ``stage`` (column group j, 16-byte chunk c at
+        ``TOKENS + (j * x_chunks + c) * 512 + lane * 16``): lane (n, q) copies elements ``[x_chunks * 8 q,
+        x_chunks * 8 (q + 1))`` of the unit from column 8 j + n's row; zeros for padding columns and where
+        ``pred`` does not hold."""
+        i = lane >> 2
+        q = lane & 3
+        a_base = mA.iterator.toint()
+        elem0 = u * self.unit_k + q * (8 * self.x_chunks)
+        for j in range(self.col_groups):
+            col = 8 * j + i
+            real = pred & (col < valid_rows)
+            row = Int64(m_blk * self.tok_tile + col)
+            for ch in range(self.x_chunks):
+                dst = stage + self.tokens_at + (j * self.x_chunks + ch) * 512 + lane * 16
+                cp_async(dst, a_base + (row * self.k + elem0 + 8 * ch) * 2, 16, real)
+
+    @cute.jit
+    def _unit_mma(self, acc, stage, valid_rows, lane) -> None:
+        """The MMAs of the K unit in ring stage ``stage``, per 8-column group that holds a real row, the
+        weight words converted atom by atom."""
+        q = lane & 3
+        # MXFP8: the lane's scale byte in the copied word (every row of the lane has the parity of lane // 4)
+        byte_shift = Uint32((2 * ((lane >> 2) & 1) + (q >> 1)) * 8)
+        for j in cutlass.range_constexpr(self.col_groups):
+            if 8 * j < valid_rows:
+                x = [
+                    list(bq.ld_shared_v4(stage + self.tokens_at + (j * self.x_chunks + ch) * 512 + lane * 16))
+                    for ch in range(self.x_chunks)
+                ]
+                for a in cutlass.range_constexpr(self.atoms):
+                    rows = []
+                    for h in cutlass.range_constexpr(2):
+                        r = 2 * a + h
+                        words = list(bq.ld_shared_v4(stage + r * 512 + lane * 16))
+                        scale = bq.ld_shared_b32(stage + self.scales_at + r * 128 + lane * 4)
+                        if cutlass.const_expr(self.fmt == constants.FMT_MXFP8):
+                            scale = (scale >> byte_shift) & Uint32(0xFF)
+                        rows.append((words, scale))
+                    self._atom_mma(acc, rows[0], rows[1], x, j, a, q)
+
+    def _atom_mma(self, acc, lo_row, hi_row, x, j: int, a: int, q) -> None:
+        """Atom ``a``'s MMAs for column group ``j``: ``lo_row`` / ``hi_row`` are the (data, scale) of the
+        lane's rows in halves 0 and 1."""
+        idx = [((0, 0, j), a, 0), ((1, 0, j), a, 0), ((0, 1, j), a, 0), ((1, 1, j), a, 0)]
+        if cutlass.const_expr(self.fmt == constants.FMT_MXFP8):
+            mult0 = bq.ue8m0_multiplier(lo_row[1])
+            mult1 = bq.ue8m0_multiplier(hi_row[1])
+        else:
+            shift = Uint32((q & 1) * 16)  # the segment's two scale bytes
+            m0 = bq.nvfp4_scale_multipliers(lo_row[1] >> shift, 2)
+            m1 = bq.nvfp4_scale_multipliers(hi_row[1] >> shift, 2)
+        for qq in range(4):
+            if cutlass.const_expr(self.fmt == constants.FMT_MXFP8):
+                lo0, hi0 = bq.e4m3x4_to_bf16x4(lo_row[0][qq], mult0)
+                lo1, hi1 = bq.e4m3x4_to_bf16x4(hi_row[0][qq], mult1)
+                steps = [((lo0, lo1, hi0, hi1), (x[0][qq], x[1][qq]))]
+            else:
+                o0 = bq.e2m1x8_to_bf16x8(lo_row[0][qq], m0[0], m0[1])
+                o1 = bq.e2m1x8_to_bf16x8(hi_row[0][qq], m1[0], m1[1])
+                steps = [
+                    ((o0[2 * blk], o1[2 * blk], o0[2 * blk + 1], o1[2 * blk + 1]), (x[2 * blk][qq], x[2 * blk + 1][qq]))
+                    for blk in range(2)
+                ]
+            for a_frag, b_frag in steps:
+                d = mma_bf16_16816(list(a_frag), list(b_frag), [acc[ix] for ix in idx])
+                for r in range(4):
+                    acc[idx[r]] = d[r]
