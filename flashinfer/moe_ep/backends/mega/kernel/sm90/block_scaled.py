@@ -335,7 +335,7 @@ class TokenBucket:
 #:   "Session 24"): T = 1 (1/16 pair per expert) on H <= 2048, qwen3-30b-a3b: NVFP4 0.88x, MXFP8 0.86x
 #:   of ``split16``'s time. Not elsewhere: on qwen3-235b-a22b it was 2-10 % slower than ``sparse16`` /
 #:   ``swap16`` at T = 1-8 but for T = 4 (equal), on qwen3-30b-a3b T = 2-8 within -4 / +2 % of the swap-AB
-#:   buckets, on deepseek-v3 10-30 % slower at every T.
+#:   buckets, on deepseek-v3 10-21 % slower at every T (run 5).
 _EARLY = {"fc2_early_weights": True, "gather_early_rows": True}
 _GATHER = {"swap_ab": True, "gather_in_fc1": True, **_EARLY}
 _SPARSE16 = {"tile_m": 16, "swap_ab": True, "swap_atoms": 2, **_EARLY, "fc1_early_weights": True}
