@@ -186,6 +186,36 @@ def test_fc2_early_weights_is_on_by_default_and_leaves_clusters_valid() -> None:
     assert tuner.is_valid(g, clustered)[0] and clustered in tuner.candidates(g, 64)
 
 
+def test_decode_fused_knobs_are_validated_and_off_by_default() -> None:
+    """The fused decode kernel (drop v37) is off in every bucket's defaults; its warps, ring depth and
+    shared memory are checked like the other knobs; its pair limit gives the most tokens a launch takes."""
+    g = drop.Geometry(2048, 768, 128, 8, "swiglu", None)
+    for t in (1, 64, 1024, 4096):
+        assert not tuner.default_knobs(g, t).decode_fused
+    ok = drop.Bf16Knobs(decode_fused=True)
+    assert tuner.is_valid(g, ok)[0]
+    assert drop.Bf16Frontend(g, ok).decode_max_tokens == 32
+    assert "decode_warps=12" in tuner.is_valid(g, drop.Bf16Knobs(decode_warps=12))[1]
+    assert "decode_stages=1" in tuner.is_valid(g, drop.Bf16Knobs(decode_stages=1))[1]
+    big = drop.Bf16Knobs(decode_warps=16, decode_stages=5)  # 16 x 5 stages x 3 KiB: past 227 KiB
+    with pytest.raises(ValueError, match="bytes of shared"):
+        drop.Bf16Frontend(g, big).check()
+    assert tuner.is_valid(g, drop.Bf16Knobs(decode_warps=8, decode_stages=8))[0]
+    # autotune times it in the single bucket only, against the chain's default
+    fused = [k for k in tuner.candidates(g, 1) if k.decode_fused]
+    assert fused == [dataclasses.replace(tuner.default_knobs(g, 1), decode_fused=True)]
+    assert not any(k.decode_fused for t in (2, 64, 4096) for k in tuner.candidates(g, t))
+
+
+def test_a_fused_decode_launch_past_its_pair_limit_raises_before_anything_runs() -> None:
+    g = drop.Geometry(256, 128, 16, 4, "swiglu", None)
+    fe = drop.Bf16Frontend(g, drop.Bf16Knobs(fc1_tile_n=256, fc2_tile_n=256, decode_fused=True))
+    x = torch.zeros(fe.decode_max_tokens + 1, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="decode_fused serves at most 64 tokens"):
+        fe.launch(x, None, None, None, None, None, {})
+    fe._check_decode_launch(x[:64])  # within the limit (a CPU tensor: no SM count to check)
+
+
 def test_resolve_takes_an_exact_cache_hit_else_the_defaults(tmp_path: Path) -> None:
     g = drop.Geometry(2048, 768, 128, 8, "swiglu", None)
     ctx = knob_cache.TuneContext("NVIDIA H200")

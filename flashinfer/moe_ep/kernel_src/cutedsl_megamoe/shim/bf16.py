@@ -36,6 +36,16 @@ class Bf16Knobs:
     where it doubles FC1's CTAs within the grid (``split_fc1_pays``; measured on H200: qwen3-30b-a3b
     T = 1 8 % faster, 1-3 % slower at T >= 2 and where FC1 already fills the SMs; TUNING.md).
 
+    ``decode_fused``: the whole layer in one launch (the drop's ``moe_bf16_glu.decode``: routing in every
+    CTA, FC1 and FC2 as GEMVs on every SM, a grid barrier between them, the combine inside FC2) for a few
+    tokens: ``T * top_k <= 256`` (``decode_max_tokens``), checked before each launch; ``decode_warps`` (8,
+    16), ``decode_stages`` (its per-warp ring depth, 2+) and ``decode_k_warps`` (1, 2, 4: warps splitting one
+    FC1 unit's K loop) shape it. Its grid of ``num_sms`` CTAs must
+    be co-resident, so ``num_sms`` may not exceed the device's SM count (checked at the first launch).
+    Off in every token bucket's defaults: measured on H200 it is 0-22 % slower than the chain of kernels
+    at T = 1-16 on the three bench contracts (TUNING.md, session 25); autotune times it in the ``single``
+    bucket (``tuner.candidates``) and keeps it where it wins.
+
     ``fc2_early_weights`` (default on; it applies with ``cluster_m=1``, and has no effect with clusters):
     FC2 issues its first tile's weight loads before it waits for FC1 (its CTAs that start beside FC1's
     tail stream weights then), and FC1 lets FC2 launch only after its own wait for the routing has
@@ -54,6 +64,10 @@ class Bf16Knobs:
     gather_in_fc1: bool = True
     fc1_split_n: bool = False
     fc2_early_weights: bool = True
+    decode_fused: bool = False
+    decode_warps: int = 16
+    decode_stages: int = 4
+    decode_k_warps: int = 4
 
 
 def widest_tile(n: int, widest: int = 256) -> int:
@@ -110,6 +124,27 @@ class Bf16Frontend(KernelFrontend):
             raise ValueError(f"cluster_m must be 1 or 2, got {k.cluster_m}")
         if k.fc1_split_n and not (self.gated and k.fc1_tile_n == 256 and k.cluster_m == 1):
             raise ValueError("fc1_split_n needs a gated activation, fc1_tile_n=256 and cluster_m=1")
+        if k.decode_warps not in kh.constants.DECODE_WARPS:
+            raise ValueError(f"decode_warps must be one of {kh.constants.DECODE_WARPS}, got {k.decode_warps}")
+        if k.decode_k_warps not in kh.constants.DECODE_K_WARPS:
+            raise ValueError(f"decode_k_warps must be one of {kh.constants.DECODE_K_WARPS}, got {k.decode_k_warps}")
+        if k.decode_stages < 2:
+            raise ValueError(f"decode_stages must be 2 or more, got {k.decode_stages}")
+        smem = kh.decode_shared_bytes(k.decode_warps, k.decode_stages, self.geometry.top_k)
+        if smem > kh.SM90_SMEM_BYTES:
+            raise ValueError(
+                f"decode_warps={k.decode_warps} with decode_stages={k.decode_stages} needs {smem} bytes of shared "
+                f"memory (at most {kh.SM90_SMEM_BYTES}): fewer stages"
+            )
+        if k.decode_fused and self.decode_max_tokens < 1:
+            raise ValueError(
+                f"decode_fused takes T * top_k <= {kh.constants.DECODE_MAX_PAIRS}; top_k={self.geometry.top_k}"
+            )
+
+    @property
+    def decode_max_tokens(self) -> int:
+        """The most tokens a ``decode_fused`` launch takes (``T * top_k <= DECODE_MAX_PAIRS``)."""
+        return kh.constants.DECODE_MAX_PAIRS // self.geometry.top_k
 
     def _export(self, out_dir: Path, function_name: str) -> Path:
         g, k = self.geometry, self.knobs
@@ -122,6 +157,10 @@ class Bf16Frontend(KernelFrontend):
             gather_in_fc1=k.gather_in_fc1,
             fc1_split_n=k.fc1_split_n,
             fc2_early_weights=k.fc2_early_weights,
+            decode_fused=k.decode_fused,
+            decode_warps=k.decode_warps,
+            decode_stages=k.decode_stages,
+            decode_k_warps=k.decode_k_warps,
         )
         return kh.export_moe_bf16(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)
 
@@ -157,9 +196,28 @@ class Bf16Frontend(KernelFrontend):
         workspace: dict[str, torch.Tensor],
     ) -> torch.Tensor:
         """Enqueue the whole layer on the current torch stream (no host sync)."""
+        if self.knobs.decode_fused:
+            self._check_decode_launch(x)
         fn = self.load()
         fn(x, topk_ids, topk_weights, w13, w2, out, *workspace.values())
         return out
+
+    def _check_decode_launch(self, x: torch.Tensor) -> None:
+        """``decode_fused``: T within its pair limit, and its grid co-resident (a grid barrier)."""
+        t = x.shape[0]
+        if t > self.decode_max_tokens:
+            raise ValueError(
+                f"decode_fused serves at most {self.decode_max_tokens} tokens per launch (T * top_k <= "
+                f"{kh.constants.DECODE_MAX_PAIRS}), got T={t}: use a knob set without it for this token count"
+            )
+        if x.is_cuda and getattr(self, "_decode_sms_ok", None) != x.device:
+            sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+            if self.knobs.num_sms > sms:
+                raise ValueError(
+                    f"decode_fused needs its {self.knobs.num_sms} CTAs co-resident, but {x.device} has {sms} SMs: "
+                    f"set num_sms <= {sms}"
+                )
+            self._decode_sms_ok = x.device
 
 
 __all__ = ["Bf16Frontend", "Bf16Knobs", "default_bf16_knobs"]

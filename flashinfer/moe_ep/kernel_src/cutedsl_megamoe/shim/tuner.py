@@ -124,6 +124,11 @@ BF16_KNOBS: tuple[KnobSpec, ...] = (
              why="FC1 tiles of 128 over the 256 layout (T = 1, the single bucket's rule); measured, not searched"),
     KnobSpec("fc2_early_weights", PERFORMANCE, (False, True), None,
              why="FC2's first weight loads before its wait for FC1 (with cluster_m 1); measured, not searched"),
+    KnobSpec("decode_fused", PERFORMANCE, (False, True), None,
+             why="the whole layer in one launch for a few tokens (T * top_k <= 256); the bucket's rule"),
+    KnobSpec("decode_warps", PERFORMANCE, (8, 16), None, why="warps per CTA of the fused decode kernel"),
+    KnobSpec("decode_stages", PERFORMANCE, range(2, 9), None, why="ring depth per warp of the fused decode kernel"),
+    KnobSpec("decode_k_warps", PERFORMANCE, (1, 2, 4), None, why="warps per FC1 unit of the fused decode kernel"),
     # None = as many stages as shared memory allows; an explicit depth can overflow shared memory,
     # which only the compiler detects, so candidates keep None and explicit depths are for hand tuning.
     KnobSpec("fc1_stages", PERFORMANCE, _STAGES, None, why="FC1 TMA pipeline depth"),
@@ -281,7 +286,8 @@ def candidates(
     Pruned: knobs without a search set stay at the default's value; ``pinned`` knobs are fixed;
     nondeterministic values are left out unless allowed; row tiles above ``tokens`` are left out
     (``KnobSpec.row_tile``).
-    The default for ``tokens`` is always in the list.
+    The default for ``tokens`` is always in the list. In the ``single`` bucket (BF16) the default with
+    ``decode_fused`` is one more candidate.
     """
     fam = family(name)
     base = default_knobs(geometry, tokens, name=name, pinned=pinned)
@@ -307,6 +313,12 @@ def candidates(
             out.append(knobs)
     if base not in out and is_valid(geometry, base, name=name)[0]:
         out.insert(0, base)
+    if name == BF16 and bucket_of(tokens) == "single" and "decode_fused" not in pinned:
+        # the whole layer in one launch against the chain of kernels (issue #3: keep both, let the tuner
+        # choose); only the single bucket, the one its pair limit covers in every layer
+        fused = dataclasses.replace(base, decode_fused=True)
+        if fused not in out and is_valid(geometry, fused, name=name)[0]:
+            out.append(fused)
     return out
 
 

@@ -77,6 +77,21 @@ def test_fc2_loads_its_first_weights_before_waiting_for_fc1(tmp_path: Path) -> N
     assert orders["off"] == orders["clusters"] == [(0, True), (0, True)]
 
 
+@pytest.mark.skipif(kernel_resources.find_cuobjdump() is None, reason="needs cuobjdump (pip install .[test])")
+def test_decode_fused_is_one_kernel_with_a_grid_barrier_and_no_spills(tmp_path: Path) -> None:
+    """``decode_fused`` (drop v37): the library holds the fused kernel alone (no routing, GEMM or combine
+    kernel), whose machine code has the grid barrier's atomics, ``cp.async`` copies, ``mma.sync``, no
+    register spill."""
+    fe = _frontend("qwen3-30b-a3b", tile_m=64, decode_fused=True, decode_warps=8, decode_stages=6)
+    lib = fe.build(tmp_path)
+    sass = kernel_resources.kernel_sass(lib)
+    assert [k.split("#")[0] for k in sass] == ["FusedDecodeSm90"], list(sass)
+    code = next(iter(sass.values()))
+    assert sum("ATOMG" in line for line in code) == 2  # arrive, leave
+    assert any("LDGSTS" in line for line in code) and any("HMMA.16816.F32.BF16" in line for line in code)
+    assert all(r.spill_bytes == 0 for r in kernel_resources.kernel_resources(lib))
+
+
 def test_key_covers_versions_geometry_and_knobs(tmp_path: Path, monkeypatch) -> None:
     base = _frontend()
     assert base.key.digest() != _frontend(tile_m=64).key.digest()

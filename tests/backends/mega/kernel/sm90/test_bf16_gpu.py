@@ -64,7 +64,25 @@ GPU_VARIANTS = [
     (name, moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
         c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit))
     for name, c in CONTRACTS.items() if name in ("qwen3-30b-a3b", "gpt-oss-120b")
+] + [
+    # The fused decode kernel (decode_fused) for every token count of a layer of DECODE_MAX_T tokens:
+    # every activation, untiled FC1 weights, 8 warps with 2-stage rings and whole FC1 units per warp, FC1
+    # units over 4 warps, a real contract.
+    (f"small-{act}{'' if lim is None else f'-limit{lim:g}'}-fused", moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
+        **SMALL, activation=act, activation_limit=lim, knobs={"tile_m": 64, "decode_fused": True}))
+    for act, lim in ACTIVATIONS
+] + [
+    ("small-swiglu-fused-untiled-w8s2k1", moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
+        **SMALL, knobs={"tile_m": 64, "fc1_tile_n": 128, "fc1_tiled": False, "decode_fused": True,
+                        "decode_warps": 8, "decode_stages": 2, "decode_k_warps": 1})),
+    ("small-geglu-fused-k4", moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
+        **SMALL, activation="geglu", knobs={"tile_m": 64, "decode_fused": True, "decode_k_warps": 4})),
+    ("qwen3-30b-a3b-fused", moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
+        2048, 768, 128, 8, "swiglu", knobs={"tile_m": 64, "fc2_tile_n": 128, "decode_fused": True})),
 ]  # fmt: skip
+#: token capacity of the fused variants' layers: T * top_k <= 256 pairs (top_k 8: 32 tokens)
+DECODE_MAX_T = 32
+DECODE_TOKENS = (0, 1, 2, 7, DECODE_MAX_T)
 
 _layers: dict[str, tuple] = {}
 
@@ -77,7 +95,7 @@ def _layer(name: str):
                                       generator=g, device="cuda")  # fmt: skip
         layer = moe.MoEEpLayer(
             moe.BootstrapConfig(device="cuda"),
-            moe.FleetParams(cfg.num_experts, MAX_T, cfg.hidden_size),
+            moe.FleetParams(cfg.num_experts, DECODE_MAX_T if "fused" in name else MAX_T, cfg.hidden_size),
             moe.MoEWeightPack(w13, w2),
             backend=moe.MegaConfig(cfg),
         )
@@ -109,7 +127,7 @@ def _check(layer, cfg, w13, w2, inp) -> None:
     assert torch.equal(out, again), "two runs on the same inputs differ"
 
 
-@pytest.mark.parametrize("variant", [n for n, _ in GPU_VARIANTS if n.startswith("small-")])
+@pytest.mark.parametrize("variant", [n for n, _ in GPU_VARIANTS if n.startswith("small-") and "fused" not in n])
 @pytest.mark.parametrize("routing", ROUTINGS)
 def test_small_every_activation(variant: str, routing: str) -> None:
     layer, cfg, w13, w2 = _layer(variant)
@@ -122,6 +140,59 @@ def test_small_every_activation(variant: str, routing: str) -> None:
 def test_real_contracts(variant: str, t: int) -> None:
     layer, cfg, w13, w2 = _layer(variant)
     _check(layer, cfg, w13, w2, _inputs(cfg, t, "uniform" if t % 2 else "skewed", seed=t))
+
+
+@pytest.mark.parametrize("variant", [n for n, _ in GPU_VARIANTS if "fused" in n])
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_fused_decode(variant: str, routing: str) -> None:
+    """``decode_fused`` at every T its layer takes (T = 0 too), one hot expert (groups of 8 pairs of one
+    expert, several per expert) and empty experts; the grid barrier's words end zero."""
+    layer, cfg, w13, w2 = _layer(variant)
+    assert all(fe.knobs.decode_fused for fe, _ in layer._backend._by_bucket.values())
+    for i, t in enumerate(DECODE_TOKENS):
+        inp = _inputs(cfg, t, routing, seed=zlib.crc32(f"{variant}/{routing}/{i}".encode()))
+        if t == 0:
+            assert layer.forward(inp).shape == (0, cfg.hidden_size)
+            continue
+        _check(layer, cfg, w13, w2, inp)
+    for _, ws in layer._backend._by_bucket.values():
+        assert ws["meta"][2:4].tolist() == [0, 0]
+
+
+def test_fused_decode_refuses_more_tokens_than_it_takes() -> None:
+    """A launch past the fused kernel's pair limit raises before anything is enqueued."""
+    layer, cfg, _, _ = _layer("small-swiglu-fused")
+    fe, ws = layer._backend._by_bucket["single"]
+    inp = _inputs(cfg, fe.decode_max_tokens + 1, "uniform", seed=1)
+    out = torch.full((inp.hidden_states.shape[0], cfg.hidden_size), float("nan"), dtype=torch.bfloat16,
+                     device="cuda")  # fmt: skip
+    with pytest.raises(ValueError, match="decode_fused serves at most"):
+        fe.launch(inp.hidden_states, inp.topk_ids, inp.topk_weights, layer._backend.w13, layer._backend.w2, out, ws)
+    assert bool(out.isnan().all())
+
+
+def test_fused_decode_graph_replay_equals_eager() -> None:
+    layer, cfg, _, _ = _layer("qwen3-30b-a3b-fused")
+    for t in (1, 3):
+        static = _inputs(cfg, t, "uniform", seed=t)
+        out = torch.empty(t, cfg.hidden_size, dtype=torch.bfloat16, device="cuda")
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            layer.forward(static, output=out)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(3):  # back to back: each launch's barrier words start at zero
+                layer.forward(static, output=out)
+        for seed in (6, 7):
+            fresh = _inputs(cfg, t, "skewed", seed=seed)
+            static.hidden_states.copy_(fresh.hidden_states)
+            static.topk_ids.copy_(fresh.topk_ids)
+            static.topk_weights.copy_(fresh.topk_weights)
+            out.fill_(float("nan"))
+            graph.replay()
+            assert torch.equal(out, layer.forward(fresh)), (t, seed)
 
 
 def test_zero_tokens() -> None:

@@ -129,3 +129,13 @@ def test_ep_buckets_of_a_layer_share_the_largest_buckets_dispatch() -> None:
     cands = ep_tuning.autotune_candidates(g, 2, 2, 1200)
     assert {k.dispatch for ks in cands.values() for k in ks} == {"push"}
     assert all(len(set(ks)) == len(ks) for ks in cands.values())
+
+
+def test_fused_decode_knobs_only_for_a_layer_whose_buckets_stay_within_its_pair_limit() -> None:
+    """``decode_fused`` takes T * top_k <= 256 (32 tokens at top_k 8): a layer of 32 tokens builds, one of
+    33 is refused at construction with the bucket named."""
+    fused = _config({"decode_fused": True})
+    p = tuning.layer_profiles(fused, 128, 32, CTX)
+    assert all(fe.knobs.decode_fused for fe in p.frontends.values())
+    with pytest.raises(MoEEpConfigError, match="token bucket 'decode' reaches T=33"):
+        tuning.layer_profiles(fused, 128, 33, CTX)

@@ -68,3 +68,12 @@ SWAP_SPLIT_COUNTERS = 4
 # (TUNING.md, session 20: qwen3-30b-a3b T = 1, parts of 16 K tiles 2.7 us faster, of 6 K tiles 0.6 us slower).
 SWAP_SPLIT_MIN_K_TILES = 16
 SWAP_MAX_CTA_ROWS = 512
+
+# The fused decode kernel (``moe_bf16_glu.decode``): the most pairs (T * top_k) its in-CTA routing takes
+# (one thread each), its warps per CTA and per FC1 unit, the pairs of one FC1 group (an m16n8k16 MMA's 8 token columns)
+# and the bytes of one stage of a warp's ring (two weight rows and one token column, 32 bytes a lane each).
+DECODE_MAX_PAIRS = 256
+DECODE_WARPS = (8, 16)
+DECODE_K_WARPS = (1, 2, 4)  # warps splitting one FC1 unit's K steps
+DECODE_GROUP_PAIRS = 8
+DECODE_STAGE_BYTES = 3 * 1024

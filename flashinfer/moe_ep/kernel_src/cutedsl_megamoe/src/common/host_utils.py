@@ -79,6 +79,17 @@ def gemv_shared_bytes(fmt: str, tok_tile: int, k_warps: int, stages: int) -> int
     return k_warps * stages * stage + k_warps * 16 * groups * 32 * 4
 
 
+def decode_shared_bytes(warps: int, stages: int, top_k: int) -> int:
+    """Shared memory of a ``moe_bf16_glu.decode`` CTA: each warp's ``stages``-deep ring (per stage 16
+    weight rows of 128 bytes and 32 bytes of one token column per lane), the routing tables (six words
+    per pair, eight pair slots per group), FC1's K parts (four accumulators a lane) and FC2's partial
+    sums (16 rows per pair and part of I: ``top_k * (warps // min(top_k, warps))`` of them)."""
+    ring = warps * stages * constants.DECODE_STAGE_BYTES
+    routing = (6 + constants.DECODE_GROUP_PAIRS) * constants.DECODE_MAX_PAIRS * 4
+    fc1_parts = warps * 4 * 32 * 4  # a lane's four accumulators per warp
+    return ring + routing + fc1_parts + top_k * (warps // min(top_k, warps)) * 16 * 4
+
+
 def swap_tile_plan(rows: int, gated: bool, tok_tile: int, max_wg: int = 2, max_atoms: int = 4) -> tuple[int, int]:
     """(WGMMA atoms of 64 weight rows per warpgroup, warpgroups per CTA) of the swap-AB GEMM
     (``moe_quant_glu.swap_gemm``) over a weight matrix of ``rows`` rows with ``tok_tile`` tokens.
@@ -141,8 +152,8 @@ def moe_bf16_workspace_spec(
 
     Allocate each once for the largest token count to serve (``max_tokens``); the same buffers
     serve every T <= max_tokens. ``tile_m``, ``num_sms`` and ``cluster_m`` are the kernel's knobs. Only
-    ``expert_count`` needs initialization: zero it once at allocation (every call leaves it zero
-    again); the kernels write everything else before reading it.
+    ``expert_count`` and ``meta`` need initialization: zero them once at allocation (every call leaves
+    ``expert_count`` and ``meta[2:4]`` zero again); the kernels write everything else before reading it.
 
     - pair_row [max_tokens*K] int32: row of pair (t, k) at index t*K + k
     - pair_rank [max_tokens*K] int32: rank of a pair inside its routing CTA's chunk
@@ -152,10 +163,11 @@ def moe_bf16_workspace_spec(
     - m_block_expert [M_cap/tile_m * cluster_m] int32: per M block, expert | (rows holding real
       pairs) << 16; with ``cluster_m = 2`` the second half holds the pair table of the expert-aware
       cluster schedule (``Sm90MegaMoEBf16Kernel.pair_by_expert``): two block indices per cluster
-    - meta [4] int32: meta[0] = number of M blocks, meta[1] = number of rows (padded)
+    - meta [4] int32: ZERO-INITIALIZED ONCE; meta[0] = number of M blocks, meta[1] = number of rows
+      (padded); meta[2:4] the grid barrier of ``moe_bf16_glu.decode`` (zero between calls)
     - a_buf [M_cap, H] bf16: the row -> token map (first 4 * M_cap bytes, as int32) when FC1 gathers its
       own A rows (the default), else the gathered activations; then reused for the FC2 output
-    - h_buf [M_cap, I] bf16: FC1 output after the activation
+    - h_buf [M_cap, I] bf16: FC1 output after the activation (``decode``: row = pair t * K + k)
     """
     m_cap = max_rows(max_tokens, top_k, num_experts, tile_m, cluster_m)
     return [

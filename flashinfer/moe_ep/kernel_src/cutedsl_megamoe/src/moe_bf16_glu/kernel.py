@@ -23,6 +23,7 @@ import cutlass.cute as cute
 
 from ..common import constants
 from . import aux_kernels
+from .decode import FusedDecodeSm90
 from .grouped_gemm import EPI_PLAIN, GroupedGemmSm90
 
 
@@ -81,6 +82,15 @@ class Sm90MegaMoEBf16Kernel:
         map before its wait). Applies with ``cluster_m=1`` and PDL (no effect otherwise: a cluster's
         multicast B loads depend on the partner's block). Measured on H200 (TUNING.md, drop v34):
         0-3.6 % faster at T = 1 to 1024 on the three bench contracts, outputs bitwise equal.
+    :param decode_fused: the whole layer in one launch, ``decode.FusedDecodeSm90`` (routing in every CTA,
+        FC1 and FC2 as GEMVs, a grid barrier between them, the combine fused into FC2); for a few tokens
+        (``T * top_k <= decode.DECODE_MAX_PAIRS``, which the caller must keep: past it the kernel writes
+        nothing). Needs ``num_sms`` CTAs co-resident (at most the device's SM count) and ``meta[2:4]`` zero
+        on entry (left zero). The other knobs then only shape the unused chain (``fc1_tile_n`` and
+        ``fc1_tiled`` still give w13's layout). Measured on H200 (TUNING.md, session 25): 0-22 %
+        slower than the chain at T = 1-16 on the bench contracts, so no default turns it on.
+    :param decode_warps, decode_stages, decode_k_warps: the fused kernel's warps per CTA (8, 16), ring depth
+        per warp and warps splitting the K steps of one FC1 unit (1, 2, 4).
     :param stage_mask: debugging/profiling only: bit i enables stage i (routing, gather, FC1,
         FC2, combine); anything but 0b11111 gives wrong results (and masking out routing leaves
         ``expert_count`` non-zero).
@@ -112,6 +122,10 @@ class Sm90MegaMoEBf16Kernel:
         fc1_split_n: bool = False,
         route_maps_rows: bool = True,
         fc2_early_weights: bool = True,
+        decode_fused: bool = False,
+        decode_warps: int = 16,
+        decode_stages: int = 4,
+        decode_k_warps: int = 4,
     ) -> None:
         early = fc2_early_weights and cluster_m == 1 and use_pdl
         self.sized_grids = sized_grids
@@ -152,6 +166,12 @@ class Sm90MegaMoEBf16Kernel:
             split_n=fc1_split_n,
             trigger_after_wait=early,
         )
+        self.decode_fused = decode_fused
+        self.decode = None
+        if decode_fused:
+            self.decode = FusedDecodeSm90(
+                activation, limit, num_sms, fc1_tile_n, fc1_tiled, decode_warps, decode_stages, decode_k_warps
+            )
         self.fc2 = GroupedGemmSm90(
             tile_m, fc2_tile_n, EPI_PLAIN, None, num_sms, fc2_stages, epi_direct, cluster_m, pair_by_expert,
             early_b=early,
@@ -193,6 +213,9 @@ class Sm90MegaMoEBf16Kernel:
     ):
         num_experts = w13.shape[0]
         pdl = self.use_pdl
+        if cutlass.const_expr(self.decode_fused):
+            self.decode.launch(x, topk_ids, topk_weights, w13, w2, out, h_buf, meta, stream, pdl)
+            return
         num_tokens, top_k = topk_ids.shape[0], topk_ids.shape[1]
         num_pairs = num_tokens * top_k
         # Grids of the routing, row-map / gather and combine kernels (see aux_kernels.launch_ctas).

@@ -47,43 +47,12 @@ from cutlass import Float32, Int32, Int64, Uint32
 from ..common import constants
 from ..common.host_utils import SM90_SMEM_BYTES, gemv_shared_bytes
 from ..src import block_quant as bq
+from ..src.warp_ring import cp_async, cp_async_commit, cp_async_wait, mma_bf16_16816
 from .swap_gemm import SwapDequantGemmSm90
 
 ROW_WARP_ROWS = 64  # weight rows per row warp (four 16-row MMA atoms)
 GEMV_K_WARPS = (2, 4, 8, 16)
 GEMV_TOKEN_TILES = (8, 16)
-
-
-def cp_async(dst: Int32, src: Int64, size: int, pred) -> None:
-    """``size`` bytes (4 or 16) global -> shared, asynchronously (this thread's ``cp.async`` group); zeros
-    where ``pred`` does not hold (source size 0: nothing is read)."""
-    cache = "cg" if size == 16 else "ca"  # 16-byte copies bypass L1
-    cute.arch.inline_ptx(
-        "{ .reg .pred p; .reg .b32 n; setp.ne.b32 p, {$r2}, 0; selp.b32 n, "
-        + str(size)
-        + ", 0, p;\n"
-        + f"cp.async.{cache}.shared.global [{{$r0}}], [{{$r1}}], {size}, n; }}",
-        read_only_args=[dst, src, Int32(pred)],
-    )
-
-
-def cp_async_commit() -> None:
-    cute.arch.inline_ptx("cp.async.commit_group;")
-
-
-def cp_async_wait(pending: int) -> None:
-    """Until at most ``pending`` of this thread's most recent ``cp.async`` groups are in flight."""
-    cute.arch.inline_ptx(f"cp.async.wait_group {pending};")
-
-
-def mma_bf16_16816(a: list, b: list, c: list) -> tuple[Float32, Float32, Float32, Float32]:
-    """``mma.sync`` m16n8k16, BF16 operands, fp32 accumulators: D = A B + C (fragments as in the PTX ISA)."""
-    return cute.arch.inline_ptx(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, "
-        "{{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, {{$r6}, {$r7}, {$r8}, {$r9}};",
-        write_only_types=[Float32, Float32, Float32, Float32],
-        read_only_args=[*a, *b, *c],
-    )
 
 
 class GemvDequantSm90(SwapDequantGemmSm90):
