@@ -28,6 +28,8 @@ from flashinfer.moe_ep.core.inputs import (
 )
 from flashinfer.moe_ep.core.reference import moe_reference
 
+from . import graph_replay
+
 pytestmark = pytest.mark.gpu
 
 MAX_T = 8192
@@ -127,6 +129,15 @@ def _check(layer, cfg, w13, w2, inp) -> None:
     assert torch.equal(out, again), "two runs on the same inputs differ"
 
 
+def _capture(layer, cfg, t: int, seed: int, launches: int = 1):
+    return graph_replay.capture(layer, _inputs(cfg, t, "uniform", seed=seed), cfg.hidden_size, launches)
+
+
+def _replay_equals_eager(layer, cfg, captured, seed: int) -> bool:
+    """Fresh skewed inputs through the graph (output poisoned first) against an eager forward."""
+    return graph_replay.replay_equals_eager(layer, captured, _inputs(cfg, captured[2].shape[0], "skewed", seed))
+
+
 @pytest.mark.parametrize("variant", [n for n, _ in GPU_VARIANTS if n.startswith("small-") and "fused" not in n])
 @pytest.mark.parametrize("routing", ROUTINGS)
 def test_small_every_activation(variant: str, routing: str) -> None:
@@ -174,25 +185,9 @@ def test_fused_decode_refuses_more_tokens_than_it_takes() -> None:
 def test_fused_decode_graph_replay_equals_eager() -> None:
     layer, cfg, _, _ = _layer("qwen3-30b-a3b-fused")
     for t in (1, 3):
-        static = _inputs(cfg, t, "uniform", seed=t)
-        out = torch.empty(t, cfg.hidden_size, dtype=torch.bfloat16, device="cuda")
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            layer.forward(static, output=out)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(3):  # back to back: each launch's barrier words start at zero
-                layer.forward(static, output=out)
+        captured = _capture(layer, cfg, t, seed=t, launches=3)  # back to back: the barrier words reset
         for seed in (6, 7):
-            fresh = _inputs(cfg, t, "skewed", seed=seed)
-            static.hidden_states.copy_(fresh.hidden_states)
-            static.topk_ids.copy_(fresh.topk_ids)
-            static.topk_weights.copy_(fresh.topk_weights)
-            out.fill_(float("nan"))
-            graph.replay()
-            assert torch.equal(out, layer.forward(fresh)), (t, seed)
+            assert _replay_equals_eager(layer, cfg, captured, seed), (t, seed)
 
 
 def test_zero_tokens() -> None:
@@ -203,25 +198,9 @@ def test_zero_tokens() -> None:
 
 def test_cuda_graph_replay_equals_eager() -> None:
     layer, cfg, _, _ = _layer("qwen3-30b-a3b")
-    static = _inputs(cfg, 300, "uniform", seed=5)
-    out = torch.empty(300, cfg.hidden_size, dtype=torch.bfloat16, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        layer.forward(static, output=out)  # warm up on the capture stream
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        layer.forward(static, output=out)
+    captured = _capture(layer, cfg, 300, seed=5)
     for seed in (6, 7):
-        fresh = _inputs(cfg, 300, "skewed", seed=seed)
-        static.hidden_states.copy_(fresh.hidden_states)
-        static.topk_ids.copy_(fresh.topk_ids)
-        static.topk_weights.copy_(fresh.topk_weights)
-        out.fill_(float("nan"))
-        graph.replay()
-        eager = layer.forward(fresh)
-        assert torch.equal(out, eager)
+        assert _replay_equals_eager(layer, cfg, captured, seed)
 
 
 def test_cuda_graph_per_token_bucket() -> None:
@@ -234,29 +213,10 @@ def test_cuda_graph_per_token_bucket() -> None:
     assert tuner.bucket_of(sizes[0]) == "decode" and tuner.bucket_of(sizes[1]) == "prefill"
     by_bucket = layer._backend._by_bucket
     assert by_bucket["decode"][0].knobs != by_bucket["prefill"][0].knobs
-    stream = torch.cuda.Stream()
-    graphs = {}
-    for t in sizes:
-        static = _inputs(cfg, t, "uniform", seed=t)
-        out = torch.empty(t, cfg.hidden_size, dtype=torch.bfloat16, device="cuda")
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            layer.forward(static, output=out)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            layer.forward(static, output=out)
-        graphs[t] = (graph, static, out)
+    graphs = {t: _capture(layer, cfg, t, seed=t) for t in sizes}
     for rnd in range(2):
         for t in sizes:
-            graph, static, out = graphs[t]
-            fresh = _inputs(cfg, t, "skewed", seed=100 * rnd + t)
-            static.hidden_states.copy_(fresh.hidden_states)
-            static.topk_ids.copy_(fresh.topk_ids)
-            static.topk_weights.copy_(fresh.topk_weights)
-            out.fill_(float("nan"))
-            graph.replay()
-            assert torch.equal(out, layer.forward(fresh)), (rnd, t)
+            assert _replay_equals_eager(layer, cfg, graphs[t], seed=100 * rnd + t), (rnd, t)
 
 
 def test_live_token_count_is_read_on_the_host_at_world_size_1() -> None:

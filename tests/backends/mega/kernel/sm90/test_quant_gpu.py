@@ -34,6 +34,8 @@ from flashinfer.moe_ep.core.inputs import make_expert_weights, make_hidden_state
 from flashinfer.moe_ep.core.quant import quantize_mxfp8, quantize_nvfp4
 from flashinfer.moe_ep.core.reference_quant import moe_reference_quantized, nvfp4_static_scales, quantize_expert_weights
 
+from . import graph_replay
+
 pytestmark = pytest.mark.gpu
 
 MAX_T = 4096
@@ -360,24 +362,9 @@ def test_split_k_graph_replay_and_counters(variant: str, t: int) -> None:
 
 def _graph_replay_equals_eager(name: str, t: int) -> None:
     layer, cfg, _, _ = _layer(name)
-    static = _inputs(cfg, t, "uniform", seed=5)
-    out = torch.empty(t, cfg.hidden_size, dtype=torch.bfloat16, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        layer.forward(static, output=out)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        layer.forward(static, output=out)
+    captured = graph_replay.capture(layer, _inputs(cfg, t, "uniform", seed=5), cfg.hidden_size)
     for seed in (6, 7):
-        fresh = _inputs(cfg, t, "skewed", seed=seed)
-        static.hidden_states.copy_(fresh.hidden_states)
-        static.topk_ids.copy_(fresh.topk_ids)
-        static.topk_weights.copy_(fresh.topk_weights)
-        out.fill_(float("nan"))
-        graph.replay()
-        assert torch.equal(out, layer.forward(fresh))
+        assert graph_replay.replay_equals_eager(layer, captured, _inputs(cfg, t, "skewed", seed=seed))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
