@@ -96,6 +96,7 @@ class Bf16Frontend(KernelFrontend):
 
     def __init__(self, geometry: Geometry, knobs: Bf16Knobs | None = None, **kw: Any) -> None:
         super().__init__(geometry, knobs or default_bf16_knobs(geometry), **kw)
+        self._decode_sms_checked: torch.device | None = None  # decode_fused: the device whose SMs suffice
 
     @property
     def gated(self) -> bool:
@@ -210,14 +211,14 @@ class Bf16Frontend(KernelFrontend):
                 f"decode_fused serves at most {self.decode_max_tokens} tokens per launch (T * top_k <= "
                 f"{kh.constants.DECODE_MAX_PAIRS}), got T={t}: use a knob set without it for this token count"
             )
-        if x.is_cuda and getattr(self, "_decode_sms_ok", None) != x.device:
+        if x.is_cuda and self._decode_sms_checked != x.device:
             sms = torch.cuda.get_device_properties(x.device).multi_processor_count
             if self.knobs.num_sms > sms:
                 raise ValueError(
                     f"decode_fused needs its {self.knobs.num_sms} CTAs co-resident, but {x.device} has {sms} SMs: "
                     f"set num_sms <= {sms}"
                 )
-            self._decode_sms_ok = x.device
+            self._decode_sms_checked = x.device
 
 
 __all__ = ["Bf16Frontend", "Bf16Knobs", "default_bf16_knobs"]

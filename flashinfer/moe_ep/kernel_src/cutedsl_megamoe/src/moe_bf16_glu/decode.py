@@ -65,6 +65,11 @@ def _row_slot(r, chunk):
     return r * 128 + ((chunk ^ (r & 1)) << 4)
 
 
+def _groups_of(pairs):
+    """FC1 groups of an expert with ``pairs`` pairs (at most GROUP_PAIRS a group)."""
+    return (pairs + GROUP_PAIRS - 1) // GROUP_PAIRS
+
+
 #: the grid barrier's words in ``meta`` (the routing kernel of the chain writes only meta[0:2])
 META_BARRIER_ARRIVE = 2
 META_BARRIER_FLAG = 3
@@ -149,7 +154,6 @@ class FusedDecodeSm90:
         s_cnt = smem.allocate_tensor(Int32, cute.make_layout(DECODE_MAX_PAIRS), 16)
         s_gexp = smem.allocate_tensor(Int32, cute.make_layout(DECODE_MAX_PAIRS), 16)
         s_gcnt = smem.allocate_tensor(Int32, cute.make_layout(DECODE_MAX_PAIRS), 16)
-        s_gnum = smem.allocate_tensor(Int32, cute.make_layout(DECODE_MAX_PAIRS), 16)
         s_gpair = smem.allocate_tensor(Int32, cute.make_layout(DECODE_MAX_PAIRS * GROUP_PAIRS), 16)
         s_fc1p = smem.allocate_tensor(Float32, cute.make_layout((W, 4, 32), stride=(128, 32, 1)), 16)
         nsp = self.ksplit(topk_ids.shape[1])
@@ -178,13 +182,12 @@ class FusedDecodeSm90:
                         if q < tidx:
                             first = Int32(0)
                 s_first[tidx] = first
-                s_gnum[tidx] = (count + GROUP_PAIRS - 1) // GROUP_PAIRS  # groups of this expert (first pair)
                 s_cnt[tidx] = count
             cute.arch.barrier()
             num_groups = Int32(0)
             for q in cutlass.range(num_pairs, unroll=1):
                 if s_first[q] != 0:
-                    num_groups = num_groups + s_gnum[q]
+                    num_groups = num_groups + _groups_of(s_cnt[q])
             cute.arch.barrier()
             if tidx < num_pairs:
                 e = s_ids[tidx]
@@ -194,7 +197,7 @@ class FusedDecodeSm90:
                 for q in cutlass.range(num_pairs, unroll=1):
                     eq = s_ids[q]
                     if s_first[q] != 0 and eq < e:
-                        base = base + s_gnum[q]
+                        base = base + _groups_of(s_cnt[q])
                     if eq == e:
                         if q < tidx:
                             slot = slot + 1
@@ -274,10 +277,8 @@ class FusedDecodeSm90:
             steps2 = my_rounds * per_rnd_steps
             kk = warp % self.kw(top_k)
             sp = warp // self.kw(top_k)
-            # FC2's ring positions continue FC1's (stage and barrier phase of position steps1 + j)
             for j in cutlass.range_constexpr(S - 1):
-                st0 = (steps1 + j) % S
-                self._fc2_copy_w(ring_base + st0 * STAGE_BYTES, j, j < steps2, cta, kk, sp,
+                self._fc2_copy_w(ring_base + j * STAGE_BYTES, j, j < steps2, cta, kk, sp,
                                  per_rnd_steps, sps, nk2, hb, s_ids, mW2, top_k, lane)  # fmt: skip
 
             # ---- 3. grid barrier: every h row is written
@@ -301,25 +302,20 @@ class FusedDecodeSm90:
 
             # ---- 4. FC2 + combine
             for j in cutlass.range_constexpr(S - 1):
-                st0 = (steps1 + j) % S
-                self._fc2_copy_h(ring_base + st0 * STAGE_BYTES, j, j < steps2, cta, kk, sp, per_rnd_steps, sps,
+                self._fc2_copy_h(ring_base + j * STAGE_BYTES, j, j < steps2, cta, kk, sp, per_rnd_steps, sps,
                                  nk2, hb, mH, top_k, inter, lane)  # fmt: skip
                 cp_async_commit()
             for i in cutlass.range(steps2, unroll=1):
                 nxt = i + S - 1
-                nst = (steps1 + nxt) % S
-                nstage = ring_base + nst * STAGE_BYTES
+                nstage = ring_base + (nxt % S) * STAGE_BYTES
                 self._fc2_copy_w(nstage, nxt, nxt < steps2, cta, kk, sp, per_rnd_steps, sps, nk2,
                                  hb, s_ids, mW2, top_k, lane)  # fmt: skip
                 self._fc2_copy_h(nstage, nxt, nxt < steps2, cta, kk, sp, per_rnd_steps, sps, nk2, hb, mH, top_k,
                                  inter, lane)  # fmt: skip
                 cp_async_commit()
-                pos = steps1 + i
                 cp_async_wait(S - 1)
                 cute.arch.sync_warp()  # the stage's rows were copied by the warp's lanes
-                real = self._fc2_step(i, cta, kk, sp, per_rnd_steps, sps, nk2, hb, top_k, True)[4]
-                if real:
-                    self._mma_step(acc, ring_base + (pos % S) * STAGE_BYTES, lane)
+                self._mma_step(acc, ring_base + (i % S) * STAGE_BYTES, lane)  # zeros past the pair's work
                 cute.arch.sync_warp()  # every lane's reads are done before the stage is refilled
                 m = i // per_rnd_steps
                 r = i - m * per_rnd_steps
@@ -355,7 +351,7 @@ class FusedDecodeSm90:
             return blk * self.tn + (f_or_row - blk * half) + (half if up else 0)
         return f_or_row
 
-    def _w13_offset(self, e, row, kstep, mW13, n1, hidden) -> Int64:
+    def _w13_offset(self, e, row, kstep, n1, hidden) -> Int64:
         """Element offset of (expert, row, first element of K step) in the prepared w13."""
         if cutlass.const_expr(self.fc1_tiled):
             kt = hidden // STEP_K
@@ -387,7 +383,7 @@ class FusedDecodeSm90:
                 row = self._fc1_row(a * 8 + (r & 7), c >= 2)
             else:
                 row = a * ATOM_ROWS + r
-            src = w_base + self._w13_offset(e, row, u, mW13, n1, hidden) * 2 + (lane & 7) * 16
+            src = w_base + self._w13_offset(e, row, u, n1, hidden) * 2 + (lane & 7) * 16
             cp_async(stage + _row_slot(r, lane & 7), src, 16, pred)
         real = pred & (i < cnt)
         p = s_gpair[g * GROUP_PAIRS + i]

@@ -113,15 +113,15 @@ def layer_profiles(
         ok, why = tuner.is_valid(geometry, knobs)
         if not ok:
             raise MoEEpConfigError(f"{config.kernel_name}: {why}")
+        if knobs not in by_knobs:
+            by_knobs[knobs] = drop.Bf16Frontend(geometry, knobs)
         reach = max_tokens if b.max_tokens is None else min(b.max_tokens, max_tokens)
-        if knobs.decode_fused and reach > drop.Bf16Frontend(geometry, knobs).decode_max_tokens:
+        if knobs.decode_fused and reach > by_knobs[knobs].decode_max_tokens:
             raise MoEEpConfigError(
                 f"{config.kernel_name}: decode_fused serves T * top_k <= {tuner.kh.constants.DECODE_MAX_PAIRS}, but "
                 f"token bucket {b.name!r} reaches T={reach} (top_k={geometry.top_k}): give it other knobs or a "
                 "smaller token capacity"
             )
-        if knobs not in by_knobs:
-            by_knobs[knobs] = drop.Bf16Frontend(geometry, knobs)
         frontends[b.name], sources[b.name] = by_knobs[knobs], source
     return Profiles(buckets, {b.name: frontends[b.name] for b in buckets}, sources)
 
