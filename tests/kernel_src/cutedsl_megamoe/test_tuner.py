@@ -201,6 +201,13 @@ def test_decode_fused_knobs_are_validated_and_off_by_default() -> None:
     with pytest.raises(ValueError, match="bytes of shared"):
         drop.Bf16Frontend(g, big).check()
     assert tuner.is_valid(g, drop.Bf16Knobs(decode_warps=8, decode_stages=8))[0]
+    # FC1 units over 1-16 warps of the CTA (None, the default: all of them), never more than it has
+    assert ok.decode_k_warps is None
+    for kw in (1, 2, 4, 8, 16):
+        assert tuner.is_valid(g, drop.Bf16Knobs(decode_fused=True, decode_k_warps=kw))[0]
+    assert "decode_k_warps=3 is not in" in tuner.is_valid(g, drop.Bf16Knobs(decode_k_warps=3))[1]
+    too_many = drop.Bf16Knobs(decode_fused=True, decode_warps=8, decode_k_warps=16)
+    assert "at most decode_warps=8" in tuner.is_valid(g, too_many)[1]
     # autotune times it in the single bucket only, against the chain's default
     fused = [k for k in tuner.candidates(g, 1) if k.decode_fused]
     assert fused == [dataclasses.replace(tuner.default_knobs(g, 1), decode_fused=True)]

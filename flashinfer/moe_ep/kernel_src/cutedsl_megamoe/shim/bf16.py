@@ -39,12 +39,17 @@ class Bf16Knobs:
     ``decode_fused``: the whole layer in one launch (the drop's ``moe_bf16_glu.decode``: routing in every
     CTA, FC1 and FC2 as GEMVs on every SM, a grid barrier between them, the combine inside FC2) for a few
     tokens: ``T * top_k <= 256`` (``decode_max_tokens``), checked before each launch; ``decode_warps`` (8,
-    16), ``decode_stages`` (its per-warp ring depth, 2+) and ``decode_k_warps`` (1, 2, 4: warps splitting one
-    FC1 unit's K loop) shape it. Its grid of ``num_sms`` CTAs must
-    be co-resident, so ``num_sms`` may not exceed the device's SM count (checked at the first launch).
-    Off in every token bucket's defaults: measured on H200 it is 0-22 % slower than the chain of kernels
-    at T = 1-16 on the three bench contracts (TUNING.md, session 25); autotune times it in the ``single``
-    bucket (``tuner.candidates``) and keeps it where it wins.
+    16), ``decode_stages`` (its per-warp ring depth, 2+) and ``decode_k_warps`` (1, 2, 4, 8, 16, at most
+    ``decode_warps``: warps splitting one FC1 unit's K loop; None, the default: all of them) shape it. Its
+    grid of ``num_sms`` CTAs must be co-resident, so ``num_sms`` may not exceed the device's SM count
+    (checked at the first launch), and a kernel running beside it on another stream that holds SMs until
+    this layer's output exists (a spinning communication kernel) would leave its grid barrier waiting for
+    CTAs that cannot start: keep it off where such kernels overlap the MoE layer. Off in every token
+    bucket's defaults: measured on H200 (TUNING.md, session 26, drop v39) it ties with the chain of
+    kernels per layer in CUDA graphs at T = 1-4 on the three bench contracts (0.96-1.06x), takes 1.1-1.2x
+    its time at T = 16, and is faster eagerly (one launch instead of four: qwen3-30b-a3b T = 1 31 against
+    36 us per layer back to back); autotune times it in the ``single`` bucket (``tuner.candidates``) and
+    keeps it where it wins.
 
     ``fc2_early_weights`` (default on; it applies with ``cluster_m=1``, and has no effect with clusters):
     FC2 issues its first tile's weight loads before it waits for FC1 (its CTAs that start beside FC1's
@@ -67,7 +72,7 @@ class Bf16Knobs:
     decode_fused: bool = False
     decode_warps: int = 16
     decode_stages: int = 4
-    decode_k_warps: int = 4
+    decode_k_warps: int | None = None
 
 
 def widest_tile(n: int, widest: int = 256) -> int:
@@ -127,8 +132,13 @@ class Bf16Frontend(KernelFrontend):
             raise ValueError("fc1_split_n needs a gated activation, fc1_tile_n=256 and cluster_m=1")
         if k.decode_warps not in kh.constants.DECODE_WARPS:
             raise ValueError(f"decode_warps must be one of {kh.constants.DECODE_WARPS}, got {k.decode_warps}")
-        if k.decode_k_warps not in kh.constants.DECODE_K_WARPS:
-            raise ValueError(f"decode_k_warps must be one of {kh.constants.DECODE_K_WARPS}, got {k.decode_k_warps}")
+        if k.decode_k_warps is not None and (
+            k.decode_k_warps not in kh.constants.DECODE_K_WARPS or k.decode_k_warps > k.decode_warps
+        ):
+            raise ValueError(
+                f"decode_k_warps must be one of {kh.constants.DECODE_K_WARPS} and at most decode_warps="
+                f"{k.decode_warps}, got {k.decode_k_warps} (None: all of them)"
+            )
         if k.decode_stages < 2:
             raise ValueError(f"decode_stages must be 2 or more, got {k.decode_stages}")
         smem = kh.decode_shared_bytes(k.decode_warps, k.decode_stages, self.geometry.top_k)

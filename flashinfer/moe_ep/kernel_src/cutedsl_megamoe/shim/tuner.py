@@ -128,7 +128,8 @@ BF16_KNOBS: tuple[KnobSpec, ...] = (
              why="the whole layer in one launch for a few tokens (T * top_k <= 256); the bucket's rule"),
     KnobSpec("decode_warps", PERFORMANCE, (8, 16), None, why="warps per CTA of the fused decode kernel"),
     KnobSpec("decode_stages", PERFORMANCE, range(2, 9), None, why="ring depth per warp of the fused decode kernel"),
-    KnobSpec("decode_k_warps", PERFORMANCE, (1, 2, 4), None, why="warps per FC1 unit of the fused decode kernel"),
+    KnobSpec("decode_k_warps", PERFORMANCE, (None, 1, 2, 4, 8, 16), None,
+             why="warps per FC1 unit of the fused decode kernel (None: all of the CTA's)"),
     # None = as many stages as shared memory allows; an explicit depth can overflow shared memory,
     # which only the compiler detects, so candidates keep None and explicit depths are for hand tuning.
     KnobSpec("fc1_stages", PERFORMANCE, _STAGES, None, why="FC1 TMA pipeline depth"),

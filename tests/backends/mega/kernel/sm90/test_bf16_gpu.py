@@ -68,8 +68,9 @@ GPU_VARIANTS = [
     for name, c in CONTRACTS.items() if name in ("qwen3-30b-a3b", "gpt-oss-120b")
 ] + [
     # The fused decode kernel (decode_fused) for every token count of a layer of DECODE_MAX_T tokens:
-    # every activation, untiled FC1 weights, 8 warps with 2-stage rings and whole FC1 units per warp, FC1
-    # units over 4 warps, a real contract.
+    # every activation (FC1 units over all 16 warps of a CTA, the default), untiled FC1 weights with 8
+    # warps, 2-stage rings and whole FC1 units per warp, units over 4 and 8 of 16 warps, 8 warps with
+    # 3-stage rings (units over all 8), a real contract.
     (f"small-{act}{'' if lim is None else f'-limit{lim:g}'}-fused", moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
         **SMALL, activation=act, activation_limit=lim, knobs={"tile_m": 64, "decode_fused": True}))
     for act, lim in ACTIVATIONS
@@ -79,6 +80,11 @@ GPU_VARIANTS = [
                         "decode_warps": 8, "decode_stages": 2, "decode_k_warps": 1})),
     ("small-geglu-fused-k4", moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
         **SMALL, activation="geglu", knobs={"tile_m": 64, "decode_fused": True, "decode_k_warps": 4})),
+    ("small-reglu-fused-k8", moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
+        **SMALL, activation="reglu", knobs={"tile_m": 64, "decode_fused": True, "decode_k_warps": 8})),
+    ("small-relu2-fused-w8s3", moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
+        **SMALL, activation="relu2", knobs={"tile_m": 64, "decode_fused": True, "decode_warps": 8,
+                                             "decode_stages": 3})),
     ("qwen3-30b-a3b-fused", moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
         2048, 768, 128, 8, "swiglu", knobs={"tile_m": 64, "fc2_tile_n": 128, "decode_fused": True})),
 ]  # fmt: skip

@@ -74,6 +74,6 @@ SWAP_MAX_CTA_ROWS = 512
 # and the bytes of one stage of a warp's ring (two weight rows and one token column, 32 bytes a lane each).
 DECODE_MAX_PAIRS = 256
 DECODE_WARPS = (8, 16)
-DECODE_K_WARPS = (1, 2, 4)  # warps splitting one FC1 unit's K steps
+DECODE_K_WARPS = (1, 2, 4, 8, 16)  # warps splitting one FC1 unit's K steps (at most the CTA's warps)
 DECODE_GROUP_PAIRS = 8
 DECODE_STAGE_BYTES = 3 * 1024

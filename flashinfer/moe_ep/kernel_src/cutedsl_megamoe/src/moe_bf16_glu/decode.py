@@ -1,23 +1,24 @@
 """Fused decode kernel: the whole BF16 MoE layer for a few tokens in one launch.
 
-Not a default (TUNING.md, session 25): at T = 1 the chain of four kernels (``kernel.py``: routing, FC1,
-FC2, combine) loses time between the kernels (ramp-up, drain, the wait for the last CTA of the kernel
-before), so this kernel does the whole layer in one persistent grid (``num_sms`` CTAs of ``warps``
-warps, all co-resident). Measured on H200 it is correct but 0-22 % slower than the chain at T = 1-16
-on the three bench contracts (12 % at qwen3-30b-a3b T = 1, 8 % at deepseek-v3 T = 1, even at
-qwen3-235b-a22b T = 2): it streams the weights at about 3.2 TB/s (Nsight Compute, deepseek-v3 T = 1),
-the chain's TMA GEMMs at about 3.5. Bulk (TMA) copies of the FC1 rows instead of ``cp.async`` measured
-the same; a CTA-wide pipeline of whole weight tiles is not built. Autotune times it in the ``single``
-token bucket. The steps:
+Not a default (TUNING.md, sessions 25-26): at T = 1 the chain of four kernels (``kernel.py``: routing,
+FC1, FC2, combine) loses time between the kernels (ramp-up, drain, the wait for the last CTA of the
+kernel before), so this kernel does the whole layer in one persistent grid (``num_sms`` CTAs of
+``warps`` warps, all co-resident). Measured on H200 (drop v39) it ties with the chain per layer in CUDA
+graphs at T = 1-4 on the bench contracts (single-call graphs 0.96-1.06x the chain's time; T = 16 1.1-1.2x)
+and is faster in eager calls (fewer launches: qwen3-30b-a3b T = 1 31 against 36 us per layer back to
+back): both stream the weights at about 3.5 TB/s where the layer is all streaming (deepseek-v3 T = 1).
+Autotune times it in the ``single`` token bucket. The steps:
 
 1. routing, in every CTA from ``topk_ids`` (at most ``DECODE_MAX_PAIRS`` pairs, one thread each): the
    pairs grouped by expert in expert order, at most 8 pairs a group (one MMA's token columns);
 2. FC1 as a GEMV: work unit = (group, 16 weight rows), its K steps split over ``k_warps`` warps of a
-   CTA (their partial sums meet in shared memory, added in warp order); unit j goes to CTA j % G first
-   (every SM streams); gated activations take the gate rows of 8 features and their up rows (the
-   interleaved layout of ``weights.interleave_gate_up``), so the activation pairs up in-thread;
-   ``bf16(act)`` goes to ``h_buf`` at row = pair index;
-3. a grid barrier (the two words ``meta[2:4]``, zero on entry and left zero);
+   CTA (all of them by default; their partial sums meet in shared memory, added in warp order); unit j
+   goes to CTA j % G first (every SM streams); gated activations take the gate rows of 8 features and
+   their up rows (the interleaved layout of ``weights.interleave_gate_up``), so the activation pairs up
+   in-thread; ``bf16(act)`` goes to ``h_buf`` at row = pair index;
+3. a grid barrier on the two words ``meta[2:4]`` (zero on entry and left zero): each CTA arrives with a
+   reduction that awaits no reply, then fills its FC2 ring, then watches the arrival count; it counts
+   itself out at its very end, and the last CTA out zeroes both words;
 4. FC2 and the combine: CTA round = one output block (token, 16 rows of H), blocks dealt over the
    CTAs; warp (kk, sp) multiplies pairs k = kk, kk + kw, ... (kw = min(top_k, warps)) with ``w2[e]``'s
    16 rows over part sp of I (the warps left over per pair split its K loop); the parts meet in shared
@@ -26,13 +27,15 @@ token bucket. The steps:
 
 Every warp streams its weights through a ring of its own (``src.warp_ring``): per 64-K step the warp
 copies its 16 weight rows with four ``cp.async`` instructions of 4 rows x 128 bytes (whole 32-byte
-sectors: lane-interleaved 16-byte halves of sectors streamed at half the rate) and each lane 32 bytes
-of its token column; a ``sync_warp`` after the wait makes the rows visible to every lane. Inside the
-step the K order is relabeled so that a lane's 32 bytes of a row (elements ``16 q .. 16 q + 15``,
-q = lane % 4) are exactly its fragments of the four ``mma.sync`` m16n8k16 (words ``2 s`` and ``2 s + 1``
-for MMA s): no shuffles, no ``ldmatrix``. The steps of successive units run back to back through the
-ring (no refill bubble between units), and the first FC2 weight steps are copied before the grid
-barrier (they do not depend on FC1).
+sectors: lane-interleaved 16-byte halves of sectors streamed at half the rate) and its token columns;
+a ``sync_warp`` after the wait makes the rows visible to every lane. Inside the step the K order is
+relabeled so that a lane's 32 bytes of a row (elements ``16 q .. 16 q + 15``, q = lane % 4) are exactly
+its fragments of the four ``mma.sync`` m16n8k16 (words ``2 s`` and ``2 s + 1`` for MMA s): no shuffles,
+no ``ldmatrix``. The steps of successive units run back to back through the ring (no refill bubble
+between units). FC1's stages hold 8 token columns (each lane 32 bytes of its own); FC2's, cut from the
+same bytes, only the pair's h column (lanes 0-3), so more of them fit, and the whole FC2 ring is filled
+with weight rows before the grid barrier (they do not depend on FC1): a CTA that finishes FC1 early
+streams FC2's weights while the others finish theirs.
 
 T is symbolic; the host must keep ``T * top_k <= DECODE_MAX_PAIRS`` (past it the kernel returns
 without writing ``out``). Weight bytes are read once per group (FC1) and once per token (FC2): meant
@@ -41,13 +44,21 @@ for a few tokens (the ``single`` token bucket).
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Float32, Int32, Int64, Uint32
 
 from ..common import constants
 from ..common.host_utils import SM90_SMEM_BYTES, decode_shared_bytes
 from ..src import activations
 from ..src import block_quant as bq
-from ..src.warp_ring import bf16_round, cp_async, cp_async_commit, cp_async_wait, mma_bf16_16816, st_global_bf16
+from ..src.warp_ring import (
+    bf16_round,
+    cp_async,
+    cp_async_commit,
+    cp_async_wait,
+    mma_bf16_16816,
+    red_add_gpu,
+    st_global_bf16,
+)
 
 DECODE_MAX_PAIRS = constants.DECODE_MAX_PAIRS
 DECODE_WARPS = constants.DECODE_WARPS
@@ -56,6 +67,9 @@ STAGE_BYTES = constants.DECODE_STAGE_BYTES
 ATOM_ROWS = 16  # weight rows per warp unit (one MMA atom)
 STEP_K = 64  # K elements per ring step
 _TOKENS_AT = 2 * 1024  # the token chunks in a stage, after the two weight rows
+# FC2's ring: the same bytes as FC1's, cut into stages of the 16 weight rows and the pair's h column (lanes
+# 0-3 of token column 0, 32 bytes each): more of FC2's steps fit than in FC1's stages of 8 token columns.
+FC2_STAGE_BYTES = _TOKENS_AT + 4 * 32
 
 
 def _row_slot(r, chunk):
@@ -72,7 +86,7 @@ def _groups_of(pairs):
 
 #: the grid barrier's words in ``meta`` (the routing kernel of the chain writes only meta[0:2])
 META_BARRIER_ARRIVE = 2
-META_BARRIER_FLAG = 3
+META_BARRIER_LEAVE = 3
 
 
 class FusedDecodeSm90:
@@ -91,7 +105,7 @@ class FusedDecodeSm90:
         fc1_tiled: bool,
         warps: int = 16,
         stages: int = 4,
-        k_warps: int = 4,
+        k_warps: int | None = None,
     ) -> None:
         if warps not in DECODE_WARPS:
             raise ValueError(f"the fused decode kernel takes {DECODE_WARPS} warps per CTA, got {warps}")
@@ -105,8 +119,13 @@ class FusedDecodeSm90:
         self.fc1_tiled = fc1_tiled
         self.warps = warps
         self.stages = stages
-        if k_warps not in constants.DECODE_K_WARPS:
-            raise ValueError(f"FC1 units take {constants.DECODE_K_WARPS} warps each, got k_warps={k_warps}")
+        if k_warps is None:
+            k_warps = warps  # measured fastest (TUNING.md, session 26): every FC1 unit on the whole CTA
+        if k_warps not in constants.DECODE_K_WARPS or k_warps > warps:
+            raise ValueError(
+                f"FC1 units take {constants.DECODE_K_WARPS} warps each, at most the CTA's {warps}; "
+                f"got k_warps={k_warps}"
+            )
         self.k_warps = k_warps
 
     def launch(self, x, topk_ids, topk_weights, w13, w2, out, h_buf, meta, stream, use_pdl: bool) -> None:
@@ -265,7 +284,14 @@ class FusedDecodeSm90:
                         cute.arch.barrier()  # the partials are read before the next unit's overwrite them
             cp_async_wait(0)  # the ring is free (the token copies past the end wrote zeros)
 
-            # ---- FC2's first weight steps, before the barrier (weights do not depend on FC1)
+            # ---- 3a. arrive at the grid barrier: the CTA's h rows are written. Thread 0's fence comes before any
+            # FC2 copy is in flight (it would wait for those too); the arrival waits for no reply.
+            cute.arch.barrier()
+            if tidx == 0:
+                cute.arch.fence_acq_rel_gpu()
+                red_add_gpu((meta.iterator + META_BARRIER_ARRIVE).toint(), Int32(1))
+
+            # ---- FC2's ring filled before the barrier (weights do not depend on FC1)
             # CTA round m: output block (token, 16 rows of H) cta + m * G; warp (kk, sp) multiplies pairs
             # k = kk, kk + kw, ... over K steps [sp * sps, (sp + 1) * sps) of I.
             hb = hidden // ATOM_ROWS
@@ -277,46 +303,41 @@ class FusedDecodeSm90:
             steps2 = my_rounds * per_rnd_steps
             kk = warp % self.kw(top_k)
             sp = warp // self.kw(top_k)
-            for j in cutlass.range_constexpr(S - 1):
-                self._fc2_copy_w(ring_base + j * STAGE_BYTES, j, j < steps2, cta, kk, sp,
+            S2 = self.fc2_stages
+            for j in cutlass.range_constexpr(S2):  # the whole ring: nothing is consumed before the barrier
+                self._fc2_copy_w(ring_base + j * FC2_STAGE_BYTES, j, j < steps2, cta, kk, sp,
                                  per_rnd_steps, sps, nk2, hb, s_ids, mW2, top_k, lane)  # fmt: skip
 
-            # ---- 3. grid barrier: every h row is written
-            cute.arch.barrier()
+            # ---- 3b. wait at the grid barrier until every CTA arrived: watch the count itself (no flag set by
+            # the last CTA: one trip through L2 less)
             if tidx == 0:
                 arrive = (meta.iterator + META_BARRIER_ARRIVE).llvm_ptr
-                flag = (meta.iterator + META_BARRIER_FLAG).llvm_ptr
-                cute.arch.fence_acq_rel_gpu()
-                old = cute.arch.atomic_add(arrive, Int32(1), sem="acq_rel", scope="gpu")
-                if old == G - 1:  # the last CTA: reset the count, release everyone
-                    cute.arch.store(arrive, Int32(0), sem="relaxed", scope="gpu")
-                    cute.arch.store(flag, Int32(1), sem="release", scope="gpu")
-                seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
-                while seen == 0:
-                    seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
-                # leave: the flag counts the CTAs through; the last one resets it to zero
-                left = cute.arch.atomic_add(flag, Int32(1), sem="relaxed", scope="gpu")
-                if left == G:
-                    cute.arch.store(flag, Int32(0), sem="relaxed", scope="gpu")
+                seen = cute.arch.load(arrive, Int32, sem="acquire", scope="gpu")
+                while seen < G:
+                    seen = cute.arch.load(arrive, Int32, sem="acquire", scope="gpu")
             cute.arch.barrier()
 
             # ---- 4. FC2 + combine
-            for j in cutlass.range_constexpr(S - 1):
-                self._fc2_copy_h(ring_base + j * STAGE_BYTES, j, j < steps2, cta, kk, sp, per_rnd_steps, sps,
+            for j in cutlass.range_constexpr(S2):  # the h columns of the stages filled before the barrier
+                self._fc2_copy_h(ring_base + j * FC2_STAGE_BYTES, j, j < steps2, cta, kk, sp, per_rnd_steps, sps,
                                  nk2, hb, mH, top_k, inter, lane)  # fmt: skip
                 cp_async_commit()
+            stage2 = Int32(0)
             for i in cutlass.range(steps2, unroll=1):
-                nxt = i + S - 1
-                nstage = ring_base + (nxt % S) * STAGE_BYTES
-                self._fc2_copy_w(nstage, nxt, nxt < steps2, cta, kk, sp, per_rnd_steps, sps, nk2,
+                cur = ring_base + stage2 * FC2_STAGE_BYTES
+                cp_async_wait(S2 - 1)  # step i's group (S2 + i groups committed so far)
+                cute.arch.sync_warp()  # the stage's rows were copied by the warp's lanes
+                self._mma_step(acc, cur, lane, fc2=True)  # zeros past the pair's work
+                cute.arch.sync_warp()  # every lane's reads are done before the stage is refilled
+                nxt = i + S2
+                self._fc2_copy_w(cur, nxt, nxt < steps2, cta, kk, sp, per_rnd_steps, sps, nk2,
                                  hb, s_ids, mW2, top_k, lane)  # fmt: skip
-                self._fc2_copy_h(nstage, nxt, nxt < steps2, cta, kk, sp, per_rnd_steps, sps, nk2, hb, mH, top_k,
+                self._fc2_copy_h(cur, nxt, nxt < steps2, cta, kk, sp, per_rnd_steps, sps, nk2, hb, mH, top_k,
                                  inter, lane)  # fmt: skip
                 cp_async_commit()
-                cp_async_wait(S - 1)
-                cute.arch.sync_warp()  # the stage's rows were copied by the warp's lanes
-                self._mma_step(acc, ring_base + (i % S) * STAGE_BYTES, lane)  # zeros past the pair's work
-                cute.arch.sync_warp()  # every lane's reads are done before the stage is refilled
+                stage2 = stage2 + 1
+                if stage2 == S2:
+                    stage2 = Int32(0)
                 m = i // per_rnd_steps
                 r = i - m * per_rnd_steps
                 jj = r // sps
@@ -341,6 +362,16 @@ class FusedDecodeSm90:
                             st_global_bf16(mOut.iterator.toint() + (Int64(t_o) * hidden + col) * 2, total)
                         cute.arch.barrier()
             cp_async_wait(0)
+            # ---- 5. leave the grid barrier (off the critical path: after this CTA's work): every CTA counts
+            # itself out once it saw the arrivals complete; the last one out zeroes both words (no CTA polls any
+            # more, and the next launch waits for this grid)
+            if tidx == 0:
+                arrive = (meta.iterator + META_BARRIER_ARRIVE).llvm_ptr
+                leave = (meta.iterator + META_BARRIER_LEAVE).llvm_ptr
+                left = cute.arch.atomic_add(leave, Int32(1), sem="relaxed", scope="gpu")
+                if left == G - 1:
+                    cute.arch.store(arrive, Int32(0), sem="relaxed", scope="gpu")
+                    cute.arch.store(leave, Int32(0), sem="relaxed", scope="gpu")
 
     # ---------------------------------------------------------------- helpers (straight-line code)
     def _fc1_row(self, f_or_row, up: bool):
@@ -405,6 +436,11 @@ class FusedDecodeSm90:
             st_global_bf16(base + (a * ATOM_ROWS + i) * 2, v_lo)
             st_global_bf16(base + (a * ATOM_ROWS + 8 + i) * 2, v_hi)
 
+    @property
+    def fc2_stages(self) -> int:
+        """FC2's stages in a warp's ring (the bytes of ``stages`` FC1 stages)."""
+        return self.stages * STAGE_BYTES // FC2_STAGE_BYTES
+
     def kw(self, top_k: int) -> int:
         """Warps per output block by pair: ``min(top_k, warps)``."""
         return min(top_k, self.warps)
@@ -441,17 +477,20 @@ class FusedDecodeSm90:
             src = w_base + ((Int64(e) * hidden + rb * ATOM_ROWS + r) * inter + u * STEP_K) * 2 + (lane & 7) * 16
             cp_async(stage + _row_slot(r, lane & 7), src, 16, real)
 
+    @cute.jit
     def _fc2_copy_h(self, stage, s, pred, cta, kk, sp, per_rnd_steps, sps, nk2, hb, mH, top_k, inter, lane):
-        """Token column 0 of ring step ``s``: pair (t, k)'s h row (lanes 0-3; the other columns zero)."""
+        """Token column 0 of ring step ``s``: pair (t, k)'s h row (lanes 0-3, 32 bytes each; the MMA takes
+        zeros for the other columns; zeros past the pair's work)."""
         q = lane & 3
         t, rb, k, u, real = self._fc2_step(s, cta, kk, sp, per_rnd_steps, sps, nk2, hb, top_k, pred)
-        mine = real & (lane < 4)
         src = mH.iterator.toint() + ((Int64(t) * top_k + k) * inter + u * STEP_K + 16 * q) * 2
-        for c in range(2):
-            cp_async(stage + _TOKENS_AT + c * 512 + lane * 16, src + c * 16, 16, mine)
+        if lane < 4:
+            for c in range(2):
+                cp_async(stage + _TOKENS_AT + c * 64 + lane * 16, src + c * 16, 16, real)
 
-    def _mma_step(self, acc, stage, lane) -> None:
-        """The four m16n8k16 MMAs of one 64-K ring step (the lane's 32 bytes per row and token column)."""
+    def _mma_step(self, acc, stage, lane, fc2: bool = False) -> None:
+        """The four m16n8k16 MMAs of one 64-K ring step (the lane's 32 bytes per row and token column; ``fc2``:
+        column 0 only, from the compact FC2 stage, zeros in the other lanes' columns)."""
         i = lane >> 2
         q = lane & 3
         row_lo = [*bq.ld_shared_v4(stage + _row_slot(i, 2 * q)), *bq.ld_shared_v4(stage + _row_slot(i, 2 * q + 1))]
@@ -459,10 +498,18 @@ class FusedDecodeSm90:
             *bq.ld_shared_v4(stage + _row_slot(i + 8, 2 * q)),
             *bq.ld_shared_v4(stage + _row_slot(i + 8, 2 * q + 1)),
         ]
-        tok = [
-            *bq.ld_shared_v4(stage + _TOKENS_AT + lane * 16),
-            *bq.ld_shared_v4(stage + _TOKENS_AT + 512 + lane * 16),
-        ]
+        if fc2:
+            col0 = lane < 4
+            tok = [
+                cutlass.select_(col0, w, Uint32(0))
+                for c in range(2)
+                for w in bq.ld_shared_v4(stage + _TOKENS_AT + c * 64 + q * 16)
+            ]
+        else:
+            tok = [
+                *bq.ld_shared_v4(stage + _TOKENS_AT + lane * 16),
+                *bq.ld_shared_v4(stage + _TOKENS_AT + 512 + lane * 16),
+            ]
         for s in range(4):
             a = [row_lo[2 * s], row_hi[2 * s], row_lo[2 * s + 1], row_hi[2 * s + 1]]
             d = mma_bf16_16816(a, [tok[2 * s], tok[2 * s + 1]], [acc[0], acc[1], acc[2], acc[3]])

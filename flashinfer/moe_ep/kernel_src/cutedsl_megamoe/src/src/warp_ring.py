@@ -55,6 +55,11 @@ def bf16_round(x: Float32) -> Float32:
     )
 
 
+def red_add_gpu(addr: Int64, v: Int32) -> None:
+    """``*addr += v`` at GPU scope, relaxed, without waiting for the old value (``red``)."""
+    cute.arch.inline_ptx("red.relaxed.gpu.global.add.s32 [{$r0}], {$r1};", read_only_args=[addr, v])
+
+
 def st_global_bf16(addr: Int64, x: Float32) -> None:
     """Store ``x`` rounded to BF16 at global address ``addr``."""
     cute.arch.inline_ptx(
