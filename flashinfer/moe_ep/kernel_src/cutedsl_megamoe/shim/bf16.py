@@ -42,9 +42,8 @@ class Bf16Knobs:
     16), ``decode_stages`` (its per-warp ring depth, 2+) and ``decode_k_warps`` (1, 2, 4, 8, 16, at most
     ``decode_warps``: warps splitting one FC1 unit's K loop; None, the default: all of them) shape it. Its
     grid of ``num_sms`` CTAs must be co-resident, so ``num_sms`` may not exceed the device's SM count
-    (checked at the first launch), and a kernel running beside it on another stream that holds SMs until
-    this layer's output exists (a spinning communication kernel) would leave its grid barrier waiting for
-    CTAs that cannot start: keep it off where such kernels overlap the MoE layer. Off in every token
+    (checked at the first launch); it is launched as a cooperative grid (drop v40), so the driver runs all
+    its CTAs at once even beside kernels on other streams. Off in every token
     bucket's defaults: measured on H200 (TUNING.md, session 26, drop v39) it ties with the chain of
     kernels per layer in CUDA graphs at T = 1-4 on the three bench contracts (0.96-1.06x), takes 1.1-1.2x
     its time at T = 16, and is faster eagerly (one launch instead of four: qwen3-30b-a3b T = 1 31 against

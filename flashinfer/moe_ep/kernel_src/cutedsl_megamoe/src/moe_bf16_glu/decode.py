@@ -3,7 +3,8 @@
 Not a default (TUNING.md, sessions 25-26): at T = 1 the chain of four kernels (``kernel.py``: routing,
 FC1, FC2, combine) loses time between the kernels (ramp-up, drain, the wait for the last CTA of the
 kernel before), so this kernel does the whole layer in one persistent grid (``num_sms`` CTAs of
-``warps`` warps, all co-resident). Measured on H200 (drop v39) it ties with the chain per layer in CUDA
+``warps`` warps, all co-resident: launched as a cooperative grid, so the driver guarantees that, even
+beside kernels on other streams; drop v40). Measured on H200 (drop v39) it ties with the chain per layer in CUDA
 graphs at T = 1-4 on the bench contracts (single-call graphs 0.96-1.06x the chain's time; T = 16 1.1-1.2x)
 and is faster in eager calls (fewer launches: qwen3-30b-a3b T = 1 31 against 36 us per layer back to
 back): both stream the weights at about 3.5 TB/s where the layer is all streaming (deepseek-v3 T = 1).
@@ -138,6 +139,7 @@ class FusedDecodeSm90:
             block=[32 * self.warps, 1, 1],
             stream=stream,
             use_pdl=use_pdl,
+            cooperative=True,  # every CTA resident at once (the grid barrier), by the driver's guarantee
         )
 
     # ---------------------------------------------------------------- device code
