@@ -36,18 +36,19 @@ class Bf16Knobs:
     where it doubles FC1's CTAs within the grid (``split_fc1_pays``; measured on H200: qwen3-30b-a3b
     T = 1 8 % faster, 1-3 % slower at T >= 2 and where FC1 already fills the SMs; TUNING.md).
 
-    ``decode_fused``: the whole layer in one launch (the drop's ``moe_bf16_glu.decode``: routing in every
-    CTA, FC1 and FC2 as GEMVs on every SM, a grid barrier between them, the combine inside FC2) for a few
-    tokens: ``T * top_k <= 256`` (``decode_max_tokens``), checked before each launch; ``decode_warps`` (8,
-    16), ``decode_stages`` (its per-warp ring depth, 2+) and ``decode_k_warps`` (1, 2, 4, 8, 16, at most
-    ``decode_warps``: warps splitting one FC1 unit's K loop; None, the default: all of them) shape it. Its
-    grid of ``num_sms`` CTAs must be co-resident, so ``num_sms`` may not exceed the device's SM count
-    (checked at the first launch); it is launched as a cooperative grid (drop v40), so the driver runs all
-    its CTAs at once even beside kernels on other streams. Off in every token bucket's defaults: measured
-    on H200 (TUNING.md, session 26, drops v39-v40) it ties with the chain of kernels per layer in CUDA
-    graphs at T = 1-4 on the three bench contracts (0.96-1.06x), takes 1.1-1.2x its time at T = 16, and
-    is faster eagerly (one launch instead of four: qwen3-30b-a3b T = 1 31 against 36 us per layer back to
-    back); autotune times it in the ``single`` bucket (``tuner.candidates``) and keeps it where it wins.
+    ``decode_fused``: the whole layer in one launch (the drop's ``moe_bf16_glu.decode``: routing in every CTA,
+    FC1 and FC2 as GEMVs on every SM, a grid barrier between them, the combine inside FC2) for a few tokens:
+    ``T * top_k <= 256`` (``decode_max_tokens``), checked before each launch; ``decode_warps`` (8, 16),
+    ``decode_stages`` (its per-warp ring depth, 2+) and ``decode_k_warps`` (1, 2, 4, 8, 16, at most
+    ``decode_warps``: warps splitting one FC1 unit's K loop; None, the default: all of them) shape it. Its grid
+    of ``num_sms`` CTAs must be co-resident, so ``num_sms`` may not exceed the device's SM count (checked at the
+    first launch); it is launched as a cooperative grid (drop v40), so the driver runs all its CTAs at once even
+    beside kernels on other streams. Off in every token bucket's defaults: measured on H200 (TUNING.md, session
+    26, drops v39-v40) it ties with the chain of kernels per layer in CUDA graphs at T = 1-4 on the three bench
+    contracts (0.96-1.06x), takes 1.1-1.2x its time at T = 16, and eager calls back to back were even or faster
+    in three runs (one launch instead of four: qwen3-30b-a3b T = 1 31-34 against 32-42 us per layer; a lone,
+    host-bound call either way); autotune times it in the ``single`` bucket (``tuner.candidates``) and keeps it
+    where it wins.
 
     ``fc2_early_weights`` (default on; it applies with ``cluster_m=1``, and has no effect with clusters):
     FC2 issues its first tile's weight loads before it waits for FC1 (its CTAs that start beside FC1's

@@ -4,10 +4,11 @@ Not a default (TUNING.md, sessions 25-26): at T = 1 the chain of four kernels (`
 FC1, FC2, combine) loses time between the kernels (ramp-up, drain, the wait for the last CTA of the
 kernel before), so this kernel does the whole layer in one persistent grid (``num_sms`` CTAs of
 ``warps`` warps, all co-resident: launched as a cooperative grid, so the driver guarantees that, even
-beside kernels on other streams; drop v40). Measured on H200 (drop v39) it ties with the chain per layer in CUDA
-graphs at T = 1-4 on the bench contracts (single-call graphs 0.96-1.06x the chain's time; T = 16 1.1-1.2x)
-and is faster in eager calls (fewer launches: qwen3-30b-a3b T = 1 31 against 36 us per layer back to
-back): both stream the weights at about 3.5 TB/s where the layer is all streaming (deepseek-v3 T = 1).
+beside kernels on other streams; drop v40). Measured on H200 (drops v39-v40) it ties with the chain per
+layer in CUDA graphs at T = 1-4 on the bench contracts (single-call graphs 0.96-1.06x the chain's time;
+T = 16 1.1-1.2x); eager calls back to back were even or faster in three runs (one launch instead of
+four: qwen3-30b-a3b T = 1 31-34 against 32-42 us per layer), a lone eager call either way (host-bound).
+Both stream the weights at about 3.5 TB/s where the layer is all streaming (deepseek-v3 T = 1).
 Autotune times it in the ``single`` token bucket. The steps:
 
 1. routing, in every CTA from ``topk_ids`` (at most ``DECODE_MAX_PAIRS`` pairs, one thread each): the

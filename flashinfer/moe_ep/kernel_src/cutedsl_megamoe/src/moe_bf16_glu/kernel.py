@@ -87,9 +87,10 @@ class Sm90MegaMoEBf16Kernel:
         (``T * top_k <= decode.DECODE_MAX_PAIRS``, which the caller must keep: past it the kernel writes
         nothing). Needs ``num_sms`` CTAs co-resident (at most the device's SM count) and ``meta[2:4]`` zero
         on entry (left zero). The other knobs then only shape the unused chain (``fc1_tile_n`` and
-        ``fc1_tiled`` still give w13's layout). Measured on H200 (TUNING.md, session 26, drop v39): per
-        layer in CUDA graphs even with the chain at T = 1-4 on the bench contracts (0.96-1.06x), 1.1-1.2x
-        its time at T = 16, faster eagerly (one launch instead of four), so no default turns it on.
+        ``fc1_tiled`` still give w13's layout). Measured on H200 (TUNING.md, session 26, drops v39-v40):
+        per layer in CUDA graphs even with the chain at T = 1-4 on the bench contracts (0.96-1.06x),
+        1.1-1.2x its time at T = 16, eager calls back to back even or faster (one launch instead of four),
+        so no default turns it on.
     :param decode_warps, decode_stages, decode_k_warps: the fused kernel's warps per CTA (8, 16), ring depth
         per warp and warps splitting the K steps of one FC1 unit (1, 2, 4, 8, 16, at most ``decode_warps``;
         None: all of the CTA's).
