@@ -116,10 +116,11 @@ def layer_profiles(
         if knobs not in by_knobs:
             by_knobs[knobs] = drop.Bf16Frontend(geometry, knobs)
         reach = max_tokens if b.max_tokens is None else min(b.max_tokens, max_tokens)
-        if knobs.decode_fused and reach > by_knobs[knobs].decode_max_tokens:
+        limit = by_knobs[knobs].decode_max_tokens
+        if knobs.decode_fused and reach > limit:
             raise MoEEpConfigError(
-                f"{config.kernel_name}: decode_fused serves T * top_k <= {tuner.kh.constants.DECODE_MAX_PAIRS}, but "
-                f"token bucket {b.name!r} reaches T={reach} (top_k={geometry.top_k}): give it other knobs or a "
+                f"{config.kernel_name}: decode_fused serves at most {limit} tokens per launch at top_k="
+                f"{geometry.top_k}, but token bucket {b.name!r} reaches T={reach}: give it other knobs or a "
                 "smaller token capacity"
             )
         frontends[b.name], sources[b.name] = by_knobs[knobs], source
