@@ -113,6 +113,13 @@ class FusedDecodeSm90:
             raise ValueError(f"the fused decode kernel takes {DECODE_WARPS} warps per CTA, got {warps}")
         if stages < 2:
             raise ValueError(f"the fused decode kernel's rings need 2 stages at least, got {stages}")
+        if k_warps is None:
+            k_warps = warps  # measured fastest (TUNING.md, session 26): every FC1 unit on the whole CTA
+        if k_warps not in constants.DECODE_K_WARPS or k_warps > warps:
+            raise ValueError(
+                f"FC1 units take {constants.DECODE_K_WARPS} warps each, at most the CTA's {warps}; "
+                f"got k_warps={k_warps}"
+            )
         self.activation = activation
         self.gated = activation in constants.GATED_ACTIVATIONS
         self.limit = limit
@@ -121,13 +128,6 @@ class FusedDecodeSm90:
         self.fc1_tiled = fc1_tiled
         self.warps = warps
         self.stages = stages
-        if k_warps is None:
-            k_warps = warps  # measured fastest (TUNING.md, session 26): every FC1 unit on the whole CTA
-        if k_warps not in constants.DECODE_K_WARPS or k_warps > warps:
-            raise ValueError(
-                f"FC1 units take {constants.DECODE_K_WARPS} warps each, at most the CTA's {warps}; "
-                f"got k_warps={k_warps}"
-            )
         self.k_warps = k_warps
 
     def launch(self, x, topk_ids, topk_weights, w13, w2, out, h_buf, meta, stream, use_pdl: bool) -> None:

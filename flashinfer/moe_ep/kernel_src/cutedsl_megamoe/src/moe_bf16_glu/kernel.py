@@ -169,12 +169,14 @@ class Sm90MegaMoEBf16Kernel:
             split_n=fc1_split_n,
             trigger_after_wait=early,
         )
-        self.decode_fused = decode_fused
-        self.decode = None
-        if decode_fused:
-            self.decode = FusedDecodeSm90(
+        # decode_fused: the whole layer is this one kernel (the GEMMs above then only give w13's layout)
+        self.decode = (
+            FusedDecodeSm90(
                 activation, limit, num_sms, fc1_tile_n, fc1_tiled, decode_warps, decode_stages, decode_k_warps
             )
+            if decode_fused
+            else None
+        )
         self.fc2 = GroupedGemmSm90(
             tile_m, fc2_tile_n, EPI_PLAIN, None, num_sms, fc2_stages, epi_direct, cluster_m, pair_by_expert,
             early_b=early,
@@ -216,7 +218,7 @@ class Sm90MegaMoEBf16Kernel:
     ):
         num_experts = w13.shape[0]
         pdl = self.use_pdl
-        if cutlass.const_expr(self.decode_fused):
+        if cutlass.const_expr(self.decode is not None):
             self.decode.launch(x, topk_ids, topk_weights, w13, w2, out, h_buf, meta, stream, pdl)
             return
         num_tokens, top_k = topk_ids.shape[0], topk_ids.shape[1]

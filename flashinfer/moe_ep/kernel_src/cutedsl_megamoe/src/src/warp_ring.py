@@ -2,10 +2,12 @@
 (``moe_quant_glu.gemv``, ``moe_bf16_glu.decode``).
 
 A *warp ring* is a few stages of shared memory that one warp fills with 16-byte ``cp.async`` copies
-(one commit group per stage) and reads back itself: every lane reads only the bytes it copied, so the
-ring needs no barrier, and ``cp.async.wait_group`` is the only synchronization. Copies into shared
-memory cannot be moved by ptxas past the wait that consumes them and hold no registers while in
-flight (register prefetches were sunk below the MMAs: SKILL.md).
+(one commit group per stage) and reads back itself, so no CTA barrier guards it. ``cp.async.wait_group``
+covers only the thread's own copies: where every lane reads only the bytes it copied (the GEMV) it is
+the only synchronization; where lanes read rows other lanes copied (``decode``: whole 32-byte sectors
+per copy instruction) a ``sync_warp`` follows it, and precedes the refill of a stage the warp has read.
+Copies into shared memory cannot be moved by ptxas past the wait that consumes them and hold no
+registers while in flight (register prefetches were sunk below the MMAs: SKILL.md).
 """
 
 from __future__ import annotations
