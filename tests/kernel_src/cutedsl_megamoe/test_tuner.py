@@ -259,3 +259,18 @@ def test_buckets_share_one_workspace_with_their_own_shapes() -> None:
         assert views[0][name].data_ptr() == views[1][name].data_ptr()  # one allocation per buffer
     single = fes[0].allocate_workspace(cap, torch.device("cpu"))
     assert [t.shape for t in single.values()] == [t.shape for t in views[0].values()]
+
+
+def test_a_launch_past_its_workspace_tokens_raises_before_anything_runs() -> None:
+    g = drop.Geometry(256, 128, 16, 4, "swiglu", None)
+    bf16 = drop.Bf16Frontend(g, drop.Bf16Knobs())
+    mxfp8 = drop.Mxfp8Frontend(g, drop.QuantKnobs())
+    for fe in (bf16, mxfp8):
+        ws = fe.allocate_workspace(7, torch.device("cpu"))
+        assert ws.max_tokens == 7
+        x = torch.zeros(8, 256, dtype=torch.bfloat16)
+        args = (x, None, None, None, None, None, ws) if fe is bf16 else (x, None, None, None, None, None, None, ws)
+        with pytest.raises(ValueError, match="allocated for at most 7 tokens, got T=8"):
+            fe.launch(*args)  # raises before load(): no kernel library is needed to get here
+        fe.check_workspace_tokens(7, ws)  # within the size
+        fe.check_workspace_tokens(10**6, dict(ws))  # a plain dict carries no size

@@ -272,6 +272,7 @@ class EpRankState:
         self.abort_event: torch.cuda.Event | None = None
         self.captured = False  # a launch was captured: replays update abort_host without an event
         # live_tokens when the caller gives none: row t holds t (a view, so no launch per forward)
+        self.max_tokens = max_tokens
         self.counts = torch.arange(max(1, max_tokens) + 1, dtype=torch.int32, device=device)
         self._state_args: tuple[Any, ...] | None = None
 
@@ -298,6 +299,10 @@ class EpRankState:
         kernel's arguments before ``out`` (BF16: ``x, topk_ids, topk_weights, w13, w2``; block-scaled:
         ``QuantEpFrontend.operands``). ``live_tokens``: int32 [1] device tensor, default all
         ``out.shape[0]`` rows."""
+        if out.shape[0] > self.max_tokens:
+            raise ValueError(
+                f"this EP rank state was allocated for at most {self.max_tokens} tokens, got T={out.shape[0]}"
+            )
         if live_tokens is None:
             live_tokens = self.counts[out.shape[0] : out.shape[0] + 1]
         fn(*operands, out, live_tokens, *self.state_args(), timeout_ns)

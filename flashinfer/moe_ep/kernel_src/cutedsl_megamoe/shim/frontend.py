@@ -204,8 +204,19 @@ class KernelFrontend(abc.ABC):
         """The ``build --knobs`` (a config's knobs) that give exactly this frontend's kernel."""
         return asdict(self.knobs)
 
-    def allocate_workspace(self, max_tokens: int, device: torch.device) -> dict[str, torch.Tensor]:
+    def allocate_workspace(self, max_tokens: int, device: torch.device) -> Workspace:
         return allocate_shared_workspace([self], max_tokens, device)[0]
+
+    @staticmethod
+    def check_workspace_tokens(tokens: int, workspace: dict[str, torch.Tensor]) -> None:
+        """Raise ValueError before any launch when ``workspace`` was sized for fewer than ``tokens``
+        tokens (its buffers would be overrun). A plain dict carries no size and is not checked."""
+        most = getattr(workspace, "max_tokens", None)
+        if most is not None and tokens > most:
+            raise ValueError(
+                f"this workspace was allocated for at most {most} tokens, got T={tokens}: allocate one for "
+                "the largest T launched (allocate_workspace / allocate_shared_workspace)"
+            )
 
 
 def check_glu_geometry(
@@ -250,9 +261,18 @@ def check_glu_geometry(
         )
 
 
+class Workspace(dict):
+    """A frontend's workspace buffers by name (call order), with the most tokens they were sized for
+    (``max_tokens``), which every launch checks."""
+
+    def __init__(self, buffers: dict[str, torch.Tensor], max_tokens: int) -> None:
+        super().__init__(buffers)
+        self.max_tokens = max_tokens
+
+
 def allocate_shared_workspace(
     frontends: list[KernelFrontend], max_tokens: int, device: torch.device
-) -> list[dict[str, torch.Tensor]]:
+) -> list[Workspace]:
     """One set of buffers serving every frontend in ``frontends`` (a layer's token buckets), never two
     at once: per buffer name, the largest size any of them needs; each frontend gets views of exactly
     its own shapes at the start of each buffer. Zero-filled, so buffers that must start at zero do
@@ -266,7 +286,7 @@ def allocate_shared_workspace(
             raise ValueError(f"workspace buffer {spec.name!r} is {dtype} in one variant and {spec.dtype} in another")
         sizes[spec.name] = (max(have, n), dtype)
     flat = {name: torch.zeros(max(n, 1), dtype=_DTYPES[dt], device=device) for name, (n, dt) in sizes.items()}
-    return [{s.name: flat[s.name][: _numel(s.shape)].view(s.shape) for s in ss} for ss in specs]
+    return [Workspace({s.name: flat[s.name][: _numel(s.shape)].view(s.shape) for s in ss}, max_tokens) for ss in specs]
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -281,6 +301,7 @@ __all__ = [
     "Geometry",
     "KernelFrontend",
     "KernelUnavailableError",
+    "Workspace",
     "allocate_shared_workspace",
     "check_glu_geometry",
     "dsl_available",

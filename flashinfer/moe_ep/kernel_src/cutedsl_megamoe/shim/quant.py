@@ -287,6 +287,7 @@ class QuantFrontend(KernelFrontend):
         scales in ``x_scale`` (uint8 [T, H/32] UE8M0, [T, H/16] E4M3); otherwise ``x_scale`` is any
         uint8 tensor (not read). ``act_gscale``: fp32 [2], the NVFP4 global scales of the FC1 and FC2
         inputs (ignored by MXFP8)."""
+        self.check_workspace_tokens(x.shape[0], workspace)
         fn = self.load()
         fn(
             x,
