@@ -13,6 +13,13 @@ first's in one run, on the same tile shape and pipeline, so the decision rests o
 - ``mx``:    E4M3 codes, FP8 WGMMA per 32 of K into a scratch accumulator, promoted with the scales.
 - ``mx2``:   as ``mx`` with two scratch accumulators, so slice s+1's WGMMA runs while slice s is
              promoted (the last slice of each K tile is promoted after a full wait).
+- ``b128``:  MXFP8 re-blocked to one scale per 128 of K (session 28): the four 32-wide slices of a K
+             tile chained in one scratch accumulator, promoted once per K tile (a quarter of ``mx``'s
+             promotion work; DeepGEMM's per-128 scheme). The codes of a 32-block whose exponent is
+             below its 128-block's maximum are shifted down (exact unless they fall below E4M3's
+             subnormals: ``scripts/mxfp8_reblock_study.py`` measures what that changes, on the CPU).
+             Here the operands are generated per 128 (slice 0's scales serve the whole K tile).
+             (A 192-wide tile spills: accumulator and scratch need 96 + 96 registers a thread.)
 
 Dense GEMM C[M, N] = A[M, K] @ B[N, K]^T (both K-major), fp32 C, one CTA per 128 x tile_n output tile:
 one producer warp (TMA into a multi-stage mbarrier ring), two consumer warpgroups of 64 rows each.
@@ -56,6 +63,8 @@ VARIANTS = {
     "mx_n64": ("mx", 64),
     "mx2_n128": ("mx2", 128),
     "mx2_n64": ("mx2", 64),
+    "b128_n128": ("b128", 128),
+    "b128_n64": ("b128", 64),
 }
 
 
@@ -84,9 +93,9 @@ def make_probe_class():
 
     class ScaledGemmProbe:
         def __init__(self, mode: str, tile_n: int) -> None:
-            assert mode in ("bf16", "fp8", "mx", "mx2")
+            assert mode in ("bf16", "fp8", "mx", "mx2", "b128")
             self.mode = mode
-            self.scaled = mode in ("mx", "mx2")
+            self.scaled = mode in ("mx", "mx2", "b128")
             self.tile_m, self.tile_n = TILE_M, tile_n
             self.ab_dtype = cutlass.BFloat16 if mode == "bf16" else cutlass.Float8E4M3FN
             self.tile_k = 64 if mode == "bf16" else 128  # 128 bytes of K per row either way
@@ -294,7 +303,23 @@ def make_probe_class():
                         ab_pipe.consumer_wait(read)
                         wa = [sSFA[(row0, 0, read.index)], sSFA[(row0 + 8, 0, read.index)]]
                         stage_base = sfb_base + read.index * (self.slices * self.tile_n * 4)
-                        if cutlass.const_expr(self.mode == "mx"):
+                        if cutlass.const_expr(self.mode == "b128"):
+                            # the K tile's four slices chained in the scratch, one promotion per 128 of K
+                            sc = self._scales(wa, stage_base, groups, 0)
+                            warpgroup.fence()
+                            for s in cutlass.range_constexpr(self.slices):
+                                tiled_mma.set(warpgroup.Field.ACCUMULATE, s > 0)
+                                cute.gemm(
+                                    tiled_mma,
+                                    scratch[0],
+                                    tCrA[(None, None, s, read.index)],
+                                    tCrB[(None, None, s, read.index)],
+                                    scratch[0],
+                                )
+                            warpgroup.commit_group()
+                            warpgroup.wait_group(0)
+                            self._promote(acc, scratch[0], sc)
+                        elif cutlass.const_expr(self.mode == "mx"):
                             for s in cutlass.range_constexpr(self.slices):
                                 sc = self._scales(wa, stage_base, groups, s)
                                 warpgroup.fence()
@@ -415,6 +440,9 @@ def make_inputs(m: int, n: int, k: int, gen):
     shifts = torch.tensor([0, 8, 16, 24], device=dev, dtype=torch.int32)
     sfa = (ea.view(m, k // 128, 4) << shifts).sum(-1, dtype=torch.int32).t()  # [K/128, M]
     sfb = torch.exp2((eb - 127).float()).t().contiguous()  # [K/32, N]
+    # ``b128`` reads slice 0's scales for the whole K tile: its operands, one scale per 128 of K
+    a_deq128 = a_q.float() * torch.exp2((ea[:, ::4] - 127).float()).repeat_interleave(128, dim=1)
+    b_deq128 = b_q.float() * torch.exp2((eb[:, ::4] - 127).float()).repeat_interleave(128, dim=1)
     return dict(
         a_q=a_q.view(torch.uint8),
         b_q=b_q.view(torch.uint8),
@@ -426,6 +454,8 @@ def make_inputs(m: int, n: int, k: int, gen):
         b_codes=b_q.float(),
         a_deq=a_deq,
         b_deq=b_deq,
+        a_deq128=a_deq128,
+        b_deq128=b_deq128,
     )
 
 
@@ -456,10 +486,11 @@ def run(lib_dir: Path, shapes: list[tuple[int, int, int]], iters: int, sets: int
         inp = make_inputs(m, n, k, gen)
         ref_mx = inp["a_deq"] @ inp["b_deq"].t()
         ref_codes = inp["a_codes"] @ inp["b_codes"].t()
+        ref_b128 = inp["a_deq128"] @ inp["b_deq128"].t()
         for name, (v, _, _) in fns.items():
             if n % v["tile_n"]:
                 continue
-            ref = ref_codes if v["mode"] == "fp8" else ref_mx
+            ref = {"fp8": ref_codes, "b128": ref_b128}.get(v["mode"], ref_mx)
             out = torch.full((m, n), float("nan"), device="cuda")
             call(name, inp, out)
             torch.cuda.synchronize()
@@ -478,7 +509,7 @@ def run(lib_dir: Path, shapes: list[tuple[int, int, int]], iters: int, sets: int
                 f"check {name:10s} {m}x{n}x{k}: mean rel {err:.2e} max rel {max_rel:.2e} {'ok' if ok else 'FAIL'}",
                 flush=True,
             )
-        del inp, ref_mx, ref_codes
+        del inp, ref_mx, ref_codes, ref_b128
 
     # ---- timing: rotating input sets, CUDA events, median
     for m, n, k in shapes:
