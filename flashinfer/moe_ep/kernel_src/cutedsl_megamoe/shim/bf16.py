@@ -206,9 +206,9 @@ class Bf16Frontend(KernelFrontend):
         workspace: dict[str, torch.Tensor],
     ) -> torch.Tensor:
         """Enqueue the whole layer on the current torch stream (no host sync)."""
-        self.check_workspace_tokens(x.shape[0], workspace)
         if self.knobs.decode_fused:
             self._check_decode_launch(x)
+        self.check_workspace_tokens(x.shape[0], workspace)
         fn = self.load()
         fn(x, topk_ids, topk_weights, w13, w2, out, *workspace.values())
         return out

@@ -19,16 +19,11 @@ import torch
 
 import flashinfer.moe_ep as moe
 from flashinfer.moe_ep.core.contracts import CONTRACTS
-from flashinfer.moe_ep.core.inputs import (
-    make_expert_weights,
-    make_hidden_states,
-    make_topk,
-    relative_errors,
-    rounding_ulps,
-)
+from flashinfer.moe_ep.core.inputs import make_expert_weights, relative_errors, rounding_ulps
 from flashinfer.moe_ep.core.reference import moe_reference
 
 from . import graph_replay
+from .layer_inputs import fresh_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -112,13 +107,6 @@ def _layer(name: str):
     return _layers[name]
 
 
-def _inputs(cfg, t: int, routing: str, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    x = make_hidden_states(t, cfg.hidden_size, generator=g, device="cuda")
-    ids, w = make_topk(t, cfg.num_experts, cfg.top_k, routing=routing, generator=g, device="cuda")
-    return moe.MoEEpTensors(x, ids, w)
-
-
 def _check(layer, cfg, w13, w2, inp) -> None:
     t = inp.hidden_states.shape[0]
     out = torch.full((t, cfg.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -136,12 +124,12 @@ def _check(layer, cfg, w13, w2, inp) -> None:
 
 
 def _capture(layer, cfg, t: int, seed: int, launches: int = 1):
-    return graph_replay.capture(layer, _inputs(cfg, t, "uniform", seed=seed), cfg.hidden_size, launches)
+    return graph_replay.capture(layer, fresh_inputs(cfg, t, "uniform", seed=seed), cfg.hidden_size, launches)
 
 
 def _replay_equals_eager(layer, cfg, captured, seed: int) -> bool:
     """Fresh skewed inputs through the graph (output poisoned first) against an eager forward."""
-    return graph_replay.replay_equals_eager(layer, captured, _inputs(cfg, captured[2].shape[0], "skewed", seed))
+    return graph_replay.replay_equals_eager(layer, captured, fresh_inputs(cfg, captured[2].shape[0], "skewed", seed))
 
 
 @pytest.mark.parametrize("variant", [n for n, _ in GPU_VARIANTS if n.startswith("small-") and "fused" not in n])
@@ -149,14 +137,14 @@ def _replay_equals_eager(layer, cfg, captured, seed: int) -> bool:
 def test_small_every_activation(variant: str, routing: str) -> None:
     layer, cfg, w13, w2 = _layer(variant)
     for i, t in enumerate(TOKENS):
-        _check(layer, cfg, w13, w2, _inputs(cfg, t, routing, seed=zlib.crc32(f"{variant}/{routing}/{i}".encode())))
+        _check(layer, cfg, w13, w2, fresh_inputs(cfg, t, routing, seed=zlib.crc32(f"{variant}/{routing}/{i}".encode())))
 
 
 @pytest.mark.parametrize("variant", ["qwen3-30b-a3b", "gpt-oss-120b"])
 @pytest.mark.parametrize("t", [1, 7, 128, 1000, MAX_T])
 def test_real_contracts(variant: str, t: int) -> None:
     layer, cfg, w13, w2 = _layer(variant)
-    _check(layer, cfg, w13, w2, _inputs(cfg, t, "uniform" if t % 2 else "skewed", seed=t))
+    _check(layer, cfg, w13, w2, fresh_inputs(cfg, t, "uniform" if t % 2 else "skewed", seed=t))
 
 
 @pytest.mark.parametrize("variant", [n for n, _ in GPU_VARIANTS if "fused" in n])
@@ -167,7 +155,7 @@ def test_fused_decode(variant: str, routing: str) -> None:
     layer, cfg, w13, w2 = _layer(variant)
     assert all(fe.knobs.decode_fused for fe, _ in layer._backend._by_bucket.values())
     for i, t in enumerate(DECODE_TOKENS):
-        inp = _inputs(cfg, t, routing, seed=zlib.crc32(f"{variant}/{routing}/{i}".encode()))
+        inp = fresh_inputs(cfg, t, routing, seed=zlib.crc32(f"{variant}/{routing}/{i}".encode()))
         if t == 0:
             assert layer.forward(inp).shape == (0, cfg.hidden_size)
             continue
@@ -180,7 +168,7 @@ def test_fused_decode_refuses_more_tokens_than_it_takes() -> None:
     """A launch past the fused kernel's pair limit raises before anything is enqueued."""
     layer, cfg, _, _ = _layer("small-swiglu-fused")
     fe, ws = layer._backend._by_bucket["single"]
-    inp = _inputs(cfg, fe.decode_max_tokens + 1, "uniform", seed=1)
+    inp = fresh_inputs(cfg, fe.decode_max_tokens + 1, "uniform", seed=1)
     out = torch.full((inp.hidden_states.shape[0], cfg.hidden_size), float("nan"), dtype=torch.bfloat16,
                      device="cuda")  # fmt: skip
     with pytest.raises(ValueError, match="decode_fused serves at most"):
@@ -198,7 +186,7 @@ def test_fused_decode_graph_replay_equals_eager() -> None:
 
 def test_zero_tokens() -> None:
     layer, cfg, _, _ = _layer("small-swiglu")
-    out = layer.forward(_inputs(cfg, 0, "uniform", 0))
+    out = layer.forward(fresh_inputs(cfg, 0, "uniform", 0))
     assert out.shape == (0, cfg.hidden_size)
 
 
@@ -229,7 +217,7 @@ def test_live_token_count_is_read_on_the_host_at_world_size_1() -> None:
     """World size 1 takes ``num_tokens`` eagerly (read on the host: the live rows equal a forward on
     them alone, the rest stay untouched) and refuses it inside a CUDA graph, which could not replay it."""
     layer, cfg, _, _ = _layer("qwen3-30b-a3b")
-    inp = _inputs(cfg, 40, "uniform", seed=41)
+    inp = fresh_inputs(cfg, 40, "uniform", seed=41)
     inp.num_tokens = torch.tensor([23], dtype=torch.int32, device="cuda")
     out = torch.full((40, cfg.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
     layer.forward(inp, output=out)
@@ -263,10 +251,10 @@ def test_layers_of_one_geometry_share_one_workspace_unless_told_not_to() -> None
     assert comm.WORKSPACES.refcount(keys[0]) == 2 and comm.WORKSPACES.refcount(keys[2]) == 1
     for rnd in range(2):
         for j, (layer, cfg, w13, w2) in enumerate(layers):
-            _check(layer, cfg, w13, w2, _inputs(cfg, 300 + 7 * j, "uniform", seed=50 * rnd + j))
+            _check(layer, cfg, w13, w2, fresh_inputs(cfg, 300 + 7 * j, "uniform", seed=50 * rnd + j))
     layers[0][0].destroy()
     assert comm.WORKSPACES.refcount(keys[0]) == 1
-    _check(*layers[1], _inputs(base, 77, "skewed", seed=3))
+    _check(*layers[1], fresh_inputs(base, 77, "skewed", seed=3))
     for layer, *_ in layers[1:]:
         layer.destroy()
     assert comm.WORKSPACES.refcount(keys[0]) == 0 and comm.WORKSPACES.refcount(keys[2]) == 0

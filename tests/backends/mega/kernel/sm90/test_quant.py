@@ -765,6 +765,10 @@ def test_quant_ep_rank_state_launches_with_the_exported_argument_order(monkeypat
     assert by_name["x_sym"] is state.host.buffers["x_sym"] and by_name["abort"] is state.abort
     with pytest.raises(TypeError, match="launches through its rank state"):
         fe.launch()
+    seen.clear()
+    with pytest.raises(ValueError, match="allocated for at most 32 tokens, got T=33"):
+        state.launch(lambda *args: seen.extend(args), operands, torch.zeros(33, 256), 123)
+    assert not seen  # nothing launched
     for s in states:
         s.release()
 

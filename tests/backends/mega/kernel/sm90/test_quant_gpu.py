@@ -30,11 +30,12 @@ import torch
 
 import flashinfer.moe_ep as moe
 from flashinfer.moe_ep.core.contracts import CONTRACTS
-from flashinfer.moe_ep.core.inputs import make_expert_weights, make_hidden_states, make_topk, relative_errors
+from flashinfer.moe_ep.core.inputs import make_expert_weights, make_hidden_states, relative_errors
 from flashinfer.moe_ep.core.quant import quantize_mxfp8, quantize_nvfp4
 from flashinfer.moe_ep.core.reference_quant import moe_reference_quantized, nvfp4_static_scales, quantize_expert_weights
 
 from . import graph_replay
+from .layer_inputs import fresh_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -216,13 +217,6 @@ def _layer(name: str):
     return _layers[name]
 
 
-def _inputs(cfg, t: int, routing: str, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    x = make_hidden_states(t, cfg.hidden_size, generator=g, device="cuda")
-    ids, w = make_topk(t, cfg.num_experts, cfg.top_k, routing=routing, generator=g, device="cuda")
-    return moe.MoEEpTensors(x, ids, w)
-
-
 def format_units(out: torch.Tensor, ref: torch.Tensor, term_scale: torch.Tensor, fmt: str) -> float:
     if out.numel() == 0:
         return 0.0
@@ -260,14 +254,16 @@ def _check(name: str, inp, ref_x=None) -> None:
 @pytest.mark.parametrize("routing", ROUTINGS)
 def test_small_every_activation(variant: str, routing: str) -> None:
     for i, t in enumerate(TOKENS):
-        _check(variant, _inputs(_layer(variant)[1], t, routing, seed=zlib.crc32(f"{variant}/{routing}/{i}".encode())))
+        _check(
+            variant, fresh_inputs(_layer(variant)[1], t, routing, seed=zlib.crc32(f"{variant}/{routing}/{i}".encode()))
+        )
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("t", [1, 128, 1000, MAX_T])
 def test_qwen3_30b(fmt: str, t: int) -> None:
     name = f"{fmt}-qwen3-30b-a3b"
-    _check(name, _inputs(_layer(name)[1], t, "uniform" if t % 2 else "skewed", seed=t))
+    _check(name, fresh_inputs(_layer(name)[1], t, "uniform" if t % 2 else "skewed", seed=t))
 
 
 def _prequantized(cfg, x: torch.Tensor, rule: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, tuple]:
@@ -311,7 +307,7 @@ def test_prequantized_activations(fmt: str, rule: str) -> None:
             backend=moe.MegaConfig(dataclasses.replace(cfg, prequantized_input=False)),
         )
     for i, t in enumerate((0, *TOKENS)):
-        inp = _inputs(cfg, t, "skewed" if i % 2 else "uniform", seed=zlib.crc32(f"{name}/{rule}/{t}".encode()))
+        inp = fresh_inputs(cfg, t, "skewed" if i % 2 else "uniform", seed=zlib.crc32(f"{name}/{rule}/{t}".encode()))
         codes, sc, ref_x = _prequantized(cfg, inp.hidden_states, rule, seed=t)
         pre = moe.MoEEpTensors(codes, inp.topk_ids, inp.topk_weights, scales=sc)
         if t == 0:
@@ -323,13 +319,13 @@ def test_prequantized_activations(fmt: str, rule: str) -> None:
     if plain is not None:
         plain.destroy()
     with pytest.raises(moe.MoEEpInputError, match="pre-quantized"):
-        layer.forward(_inputs(cfg, 4, "uniform", seed=1))  # bf16 hidden_states without scales
+        layer.forward(fresh_inputs(cfg, 4, "uniform", seed=1))  # bf16 hidden_states without scales
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_zero_tokens(fmt: str) -> None:
     layer, cfg, _, _ = _layer(f"{fmt}-small-swiglu")
-    assert layer.forward(_inputs(cfg, 0, "uniform", 0)).shape == (0, cfg.hidden_size)
+    assert layer.forward(fresh_inputs(cfg, 0, "uniform", 0)).shape == (0, cfg.hidden_size)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -362,9 +358,9 @@ def test_split_k_graph_replay_and_counters(variant: str, t: int) -> None:
 
 def _graph_replay_equals_eager(name: str, t: int) -> None:
     layer, cfg, _, _ = _layer(name)
-    captured = graph_replay.capture(layer, _inputs(cfg, t, "uniform", seed=5), cfg.hidden_size)
+    captured = graph_replay.capture(layer, fresh_inputs(cfg, t, "uniform", seed=5), cfg.hidden_size)
     for seed in (6, 7):
-        assert graph_replay.replay_equals_eager(layer, captured, _inputs(cfg, t, "skewed", seed=seed))
+        assert graph_replay.replay_equals_eager(layer, captured, fresh_inputs(cfg, t, "skewed", seed=seed))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -381,7 +377,7 @@ def test_layers_of_one_geometry_share_one_workspace(fmt: str) -> None:
         mine, theirs = layer._backend.workspace[bucket], other._backend.workspace[bucket]
         assert all(mine[k].data_ptr() == theirs[k].data_ptr() for k in mine), bucket
     other.destroy()  # releases its reference only: the first layer keeps working
-    _check(name, _inputs(cfg, 300, "uniform", seed=11))
+    _check(name, fresh_inputs(cfg, 300, "uniform", seed=11))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -400,7 +396,7 @@ def test_unquantized_weights_are_quantized_at_preprocessing(fmt: str) -> None:
         moe.MoEWeightPack(q.w13, q.w2, q.w13_scale, q.w2_scale, q.w13_global_scale, q.w2_global_scale),
         moe.MoEWeightPack(w13, w2),
     ]
-    inp = _inputs(cfg, 64, "uniform", seed=32)
+    inp = fresh_inputs(cfg, 64, "uniform", seed=32)
     outs = []
     for pack in packs:
         fleet = moe.FleetParams(cfg.num_experts, 64, cfg.hidden_size)
