@@ -11,7 +11,9 @@ Two modes:
   failure), then times the kernel against a torch._grouped_mm pipeline and prints a table last.
   Other phases: ``explore`` (timings of the alternative and stage-mask libraries), ``profile`` (a few
   calls of the ``--profile NAME:T`` libraries, to run under ncu), ``host`` (host time per call of the
-  decode stage-mask libraries ``x_dl_m*``: what each kernel launch costs the host).
+  decode stage-mask libraries ``x_dl_m*``: what each kernel launch costs the host), ``footprint`` (one
+  qwen3-30b-a3b library at T = 4096 and 16384 while the calls rotate over more distinct weight and
+  workspace buffers: what warm L2 contributes to a timing).
 """
 
 from __future__ import annotations

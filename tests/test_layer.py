@@ -102,6 +102,13 @@ def test_bad_output_buffer(setup, gen) -> None:
         layer.forward(inp, output=torch.empty(4, H, dtype=torch.bfloat16))
     with pytest.raises(MoEEpInputError, match="output must have dtype"):
         layer.forward(inp, output=torch.empty(3, H))
+    buf = torch.zeros(8, H, dtype=torch.bfloat16)
+    buf[:3] = inp.hidden_states
+    shifted = moe.MoEEpTensors(buf[:3], inp.topk_ids, inp.topk_weights)
+    for out in (buf[:3], buf[1:4], buf[2:5]):  # the same rows, or some of them: overlapping memory
+        with pytest.raises(MoEEpInputError, match="output must not overlap hidden_states"):
+            layer.forward(shifted, output=out)
+    assert torch.equal(layer.forward(shifted, output=buf[3:6]), layer.forward(inp))  # adjacent is fine
 
 
 def test_weight_validation(gen) -> None:
@@ -152,6 +159,83 @@ def test_config_validation(gen) -> None:
         )
     with pytest.raises(MoEEpConfigError, match="must be a backend config"):
         moe.MegaConfig(megakernel="reference")
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"device": "gpu"}, "not a device torch knows"),
+        ({"device": 3.5}, "must be a torch.device, a str or an int"),
+        ({"device": "meta"}, "must be a CPU or CUDA device"),
+        ({"device": -1}, "CUDA index >= 0"),
+        ({"transport_timeout_s": "x"}, "finite number of seconds > 0"),
+        ({"transport_timeout_s": float("inf")}, "finite number of seconds > 0"),
+        ({"transport_timeout_s": None}, "finite number of seconds > 0"),
+        ({"rank": True}, "rank must be in"),
+        ({"local_rank": -5}, "local_rank must be None or an int >= 0"),
+        ({"world_size": 2, "rank": 0, "process_group": "junk"}, "must be a torch.distributed ProcessGroup"),
+    ],
+)
+def test_bootstrap_config_rejects_what_torch_would_fail_on_later(fields, match) -> None:
+    with pytest.raises(MoEEpConfigError, match=match):
+        moe.BootstrapConfig(**fields)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_a_cuda_device_without_cuda_is_named_as_such(gen) -> None:
+    w13, w2 = make_expert_weights(E, H, I, generator=gen)
+    with pytest.raises(MoEEpConfigError, match="asks for CUDA, but torch sees no CUDA device"):
+        moe.MoEEpLayer(
+            moe.BootstrapConfig(device="cuda"),
+            moe.FleetParams(E, TMAX, H),
+            moe.MoEWeightPack(w13, w2),
+            backend=moe.MegaConfig(moe.ReferenceMegaMoeConfig(H, I, E, K)),
+        )
+
+
+def test_layer_arguments_are_checked_before_anything_is_built(gen) -> None:
+    w13, w2 = make_expert_weights(E, H, I, generator=gen)
+    args = (moe.BootstrapConfig(device="cpu"), moe.FleetParams(E, TMAX, H), moe.MoEWeightPack(w13, w2))
+    backend = moe.MegaConfig(moe.ReferenceMegaMoeConfig(H, I, E, K))
+    with pytest.raises(MoEEpConfigError, match="check_values must be a bool"):
+        moe.MoEEpLayer(*args, backend=backend, check_values=None)
+    # a kernel backend's geometry is checked before whether it can run here (a CPU machine says both)
+    kernel = moe.MegaConfig(moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(H, 64, E, K))
+    with pytest.raises(MoEEpConfigError, match="hidden_size=64 differs"):
+        moe.MoEEpLayer(args[0], moe.FleetParams(E, TMAX, 2 * H), args[2], backend=kernel)
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "match"),
+    [
+        ("Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig", {"knobs": "junk"}, "knobs must be None, 'auto'"),
+        ("Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig", {"knobs": {"tile_mm": 64}}, "unknown tile_mm"),
+        ("Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig", {"hidden_size": 100}, "hidden_size must be a multiple of 64"),
+        ("Sm90_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig", {"intermediate_size": 96}, "multiple of 64"),
+        ("Sm90_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig", {"knobs": [("tile_m", 64)]}, "a dict of knobs"),
+    ],
+)
+def test_kernel_configs_check_sizes_and_knob_names_on_any_machine(cls, kwargs, match) -> None:
+    fields = {"hidden_size": 128, "intermediate_size": 64, "num_experts": 8, "top_k": 2, **kwargs}
+    with pytest.raises(MoEEpConfigError, match=match):
+        getattr(moe, cls)(**fields)
+
+
+def test_a_registered_backend_that_cannot_load_says_why() -> None:
+    from flashinfer.moe_ep.modes.mega.registry import _REGISTRY, get_mega_backend_class, register_mega_kernel
+
+    with pytest.raises(MoEEpConfigError, match="must be 'package.module:Class'"):
+        register_mega_kernel("test-junk", "os")
+    try:
+        register_mega_kernel("test-missing", "no_such_module_here:Backend")
+        register_mega_kernel("test-not-a-backend", "os.path:join")
+        with pytest.raises(moe.MoEEpBackendUnavailableError, match="cannot be imported here"):
+            get_mega_backend_class("test-missing")
+        with pytest.raises(MoEEpConfigError, match="not a MegaKernelBackend subclass"):
+            get_mega_backend_class("test-not-a-backend")
+    finally:
+        for name in ("test-missing", "test-not-a-backend"):
+            _REGISTRY.pop(name, None)
 
 
 def test_destroy(setup, gen) -> None:

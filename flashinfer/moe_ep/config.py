@@ -13,8 +13,12 @@ from .core.reference import COMBINE_DTYPES
 from .errors import MoEEpConfigError
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _positive_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    if not _is_int(value) or value <= 0:
         raise MoEEpConfigError(f"{name} must be a positive int, got {value!r}")
 
 
@@ -51,22 +55,66 @@ class BootstrapConfig:
                 "symmetric_memory='loopback' needs loopback_group=make_loopback_group(world, device)"
             )
         _positive_int("BootstrapConfig.world_size", self.world_size)
-        if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
-            raise MoEEpConfigError(f"BootstrapConfig.rank must be in [0, {self.world_size}), got {self.rank!r}")
-        if not self.transport_timeout_s > 0:
-            raise MoEEpConfigError("BootstrapConfig.transport_timeout_s must be > 0")
+        if not _is_int(self.rank) or not 0 <= self.rank < self.world_size:
+            raise MoEEpConfigError(
+                f"BootstrapConfig.rank must be in [0, {self.world_size}) (an int), got {self.rank!r}"
+            )
+        if self.local_rank is not None and not (_is_int(self.local_rank) and self.local_rank >= 0):
+            raise MoEEpConfigError(f"BootstrapConfig.local_rank must be None or an int >= 0, got {self.local_rank!r}")
+        t = self.transport_timeout_s
+        if not (isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < float("inf")):
+            raise MoEEpConfigError(
+                f"BootstrapConfig.transport_timeout_s must be a finite number of seconds > 0, got {t!r}"
+            )
+        if self.process_group is not None and not all(
+            callable(getattr(self.process_group, m, None)) for m in ("size", "rank")
+        ):
+            raise MoEEpConfigError(
+                "BootstrapConfig.process_group must be a torch.distributed ProcessGroup or None, got "
+                f"{self.process_group!r}"
+            )
+        self._requested_device()  # raises MoEEpConfigError for a device torch cannot name
+
+    def _requested_device(self) -> torch.device | None:
+        """``device`` as a torch.device (None: not given); only CPU and CUDA devices are served."""
+        d = self.device
+        if d is None:
+            return None
+        if _is_int(d):
+            if d < 0:
+                raise MoEEpConfigError(f"BootstrapConfig.device must be a CUDA index >= 0, got {d}")
+            return torch.device("cuda", d)
+        if not isinstance(d, (str, torch.device)):
+            raise MoEEpConfigError(f"BootstrapConfig.device must be a torch.device, a str or an int, got {d!r}")
+        try:
+            dev = torch.device(d)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            raise MoEEpConfigError(f"BootstrapConfig.device {d!r} is not a device torch knows: {exc}") from None
+        if dev.type not in ("cpu", "cuda"):
+            raise MoEEpConfigError(f"BootstrapConfig.device must be a CPU or CUDA device, got {dev}")
+        return dev
 
     def resolved_device(self) -> torch.device:
-        """This rank's device, with its index for CUDA ("cuda" means the current device)."""
-        if self.device is None:
+        """This rank's device, with its index for CUDA ("cuda" means the current device). Raises
+        MoEEpConfigError for a CUDA device this machine does not have."""
+        dev = self._requested_device()
+        if dev is None:
             if torch.cuda.is_available():
                 return torch.device("cuda", torch.cuda.current_device())
             return torch.device("cpu")
-        if isinstance(self.device, int):
-            return torch.device("cuda", self.device)
-        dev = torch.device(self.device)
-        if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise MoEEpConfigError(
+                    f"BootstrapConfig.device={self.device!r} asks for CUDA, but torch sees no CUDA device here "
+                    f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); use device='cpu' for the "
+                    "reference backend"
+                )
+            if dev.index is None:
+                return torch.device("cuda", torch.cuda.current_device())
+            if dev.index >= torch.cuda.device_count():
+                raise MoEEpConfigError(
+                    f"BootstrapConfig.device={self.device!r}: this machine has {torch.cuda.device_count()} CUDA devices"
+                )
         return dev
 
 
@@ -190,9 +238,9 @@ class MoEEpTensors:
     ``num_tokens``: optional live token count, an int32 tensor of one element on the layer's device.
     Only the first ``num_tokens`` rows are live: the other input rows are never read and the matching
     output rows are left untouched. Backends that read it on the device (``MegaKernelBackend.
-    device_live_tokens``: the SM90 BF16 backend at world size > 1) let a CUDA graph captured with
-    T-row buffers replay with any live count in [0, T]; the others read it on the host (a device
-    synchronization; refused during graph capture)."""
+    device_live_tokens``: the SM90 kernel backends, BF16, MXFP8 and NVFP4, at world size > 1) let a
+    CUDA graph captured with T-row buffers replay with any live count in [0, T]; the others read it on
+    the host (a device synchronization; refused during graph capture)."""
 
     hidden_states: torch.Tensor
     topk_ids: torch.Tensor

@@ -38,6 +38,8 @@ class MoEEpMegaLayer:
         ):
             if not isinstance(value, cls):
                 raise MoEEpConfigError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
+        if not isinstance(check_values, bool):
+            raise MoEEpConfigError(f"check_values must be a bool, got {check_values!r}")
         self.bootstrap = bootstrap
         self.fleet_params = fleet_params
         self.config = backend.megakernel
@@ -55,7 +57,7 @@ class MoEEpMegaLayer:
     @property
     def backend(self) -> MegaKernelBackend:
         if self._backend is None:
-            raise MoEEpError("this MoEEpMegaLayer was destroyed")
+            raise MoEEpError("this MoEEpMegaLayer was destroyed (destroy() releases it for good): build a new layer")
         return self._backend
 
     @property

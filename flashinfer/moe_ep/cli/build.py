@@ -67,29 +67,30 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _configs(args: argparse.Namespace) -> list[tuple[str, Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig, int]]:
-    knobs = json.loads(args.knobs) if args.knobs else None
-    out = []
+def _configs(args: argparse.Namespace, cls: type = Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig, **extra: Any) -> list:
+    """(name, config of ``cls``, local expert count) per requested shape; ``extra``: more config fields."""
+    try:
+        knobs = json.loads(args.knobs) if args.knobs else None
+    except json.JSONDecodeError as exc:
+        raise MoEEpConfigError(f"--knobs is not JSON ({exc}): {args.knobs!r}") from None
+    shapes = []
     if args.contract:
         names = list(CONTRACTS) if args.contract == ["all"] else args.contract
         for name in names:
             c = get_contract(name)
             if c.num_experts % args.world_size:
                 raise MoEEpConfigError(f"{name}: {c.num_experts} experts do not split over {args.world_size} ranks")
-            cfg = Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
-                c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit, knobs,
-                combine_dtype=args.combine_dtype,
-            )  # fmt: skip
-            out.append((name, cfg, c.num_experts // args.world_size))
+            shapes.append((name, c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation,
+                           c.activation_limit))  # fmt: skip
     elif args.hidden and args.intermediate and args.experts and args.top_k:
-        e = args.experts * args.world_size
-        cfg = Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
-            args.hidden, args.intermediate, e, args.top_k, args.activation, args.activation_limit, knobs,
-            combine_dtype=args.combine_dtype,
-        )  # fmt: skip
-        out.append(("custom", cfg, args.experts))
+        shapes.append(("custom", args.hidden, args.intermediate, args.experts * args.world_size, args.top_k,
+                       args.activation, args.activation_limit))  # fmt: skip
     else:
         raise MoEEpConfigError("give --contract NAME [...] (or all), or --hidden --intermediate --experts --top-k")
+    out = []
+    for name, *fields in shapes:
+        cfg = cls(*fields, knobs, combine_dtype=args.combine_dtype, **extra)
+        out.append((name, cfg, cfg.num_experts // args.world_size))
     return out
 
 
@@ -100,13 +101,10 @@ def _block_scaled_jobs(args: argparse.Namespace) -> list[tuple[str, object]]:
 
     cls = catalog_entry(args.backend).load_config_class()  # type: ignore[union-attr]
     jobs = []
-    for name, bf16_cfg, e_local in _configs(args):
-        c = bf16_cfg
-        cfg = cls(c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit, c.knobs,
-                  prequantized_input=args.prequantized_input, combine_dtype=c.combine_dtype)  # fmt: skip
+    for name, cfg, e_local in _configs(args, cls, prequantized_input=args.prequantized_input):
         ep = None
         if args.world_size > 1:
-            ep = EpPlacement(args.world_size, 1, (c.knobs or {}).get("dispatch", "pull"))
+            ep = EpPlacement(args.world_size, 1, (cfg.knobs or {}).get("dispatch", "pull"))
         frontends = bucket_frontends(cfg, e_local, ep)
         for fe in dict.fromkeys(frontends.values()):
             buckets = [b for b, f in frontends.items() if f is fe]

@@ -178,8 +178,10 @@ def _check_routing_and_output(
     check_tensor("topk_weights", topk_weights, shape=(t, top_k), dtype=torch.float32, device=device)
     if output is not None:
         check_tensor("output", output, shape=(t, hidden_size), dtype=torch.bfloat16, device=device)
-        if output.data_ptr() == hidden_states.data_ptr() and t > 0:
-            raise MoEEpInputError("output must not alias hidden_states")
+        if t > 0 and _overlap(output, hidden_states):
+            raise MoEEpInputError(
+                "output must not overlap hidden_states in memory (the kernels read one while writing the other)"
+            )
 
 
 def _check_forward_fields(
@@ -233,15 +235,21 @@ def _all_well_formed(
     )
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share any byte of memory."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 def _routing_well_formed(
     t: int, x: torch.Tensor, ids: object, w: object, out: object, hidden: int, top_k: int, device: torch.device
 ) -> bool:
-    """The routing tensors and the output buffer (not aliasing ``x``) of a T-token forward."""
+    """The routing tensors and the output buffer (not overlapping ``x``) of a T-token forward."""
     return (
         _well_formed(ids, t, top_k, torch.int32, device)
         and _well_formed(w, t, top_k, torch.float32, device)
         and (out is None or (_well_formed(out, t, hidden, torch.bfloat16, device)
-                             and (t == 0 or out.data_ptr() != x.data_ptr())))  # type: ignore[union-attr]
+                             and (t == 0 or not _overlap(out, x))))  # type: ignore[arg-type]
     )  # fmt: skip
 
 

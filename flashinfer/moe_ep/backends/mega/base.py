@@ -42,16 +42,18 @@ class MegaKernelBackend(abc.ABC):
             raise MoEEpConfigError(
                 f"{type(self).__name__} needs a {self.config_cls.__name__}, got {type(config).__name__}"
             )
-        missing = self.runtime_requirements(device)
-        if missing:
-            raise MoEEpBackendUnavailableError(
-                f"backend {config.kernel_name!r} cannot run on {device}: " + "; ".join(missing)
-            )
         self.config = config
         self.bootstrap = bootstrap
         self.fleet = fleet
         self.device = device
-        self.check_geometry()
+        self.check_geometry()  # first: a geometry error is reported on any machine
+        missing = self.runtime_requirements(device)
+        if missing:
+            raise MoEEpBackendUnavailableError(
+                f"backend {config.kernel_name!r} cannot run on {device}: "
+                + "; ".join(missing)
+                + " (`python -m flashinfer.moe_ep doctor` lists what runs here; ReferenceMegaMoeConfig runs anywhere)"
+            )
 
     # -- class-level ------------------------------------------------------------------------------
     @classmethod
@@ -124,6 +126,7 @@ class MegaKernelBackend(abc.ABC):
             isinstance(w, torch.Tensor) and w.dtype in floats for w in (weights.w13, weights.w2)
         )
         if unquantized:
+            self.check_unquantized_weights(weights, floats)  # the user's shapes, before they are quantized
             q = quantize_expert_weights(weights.w13, weights.w2, fmt)
         else:
             missing = [n for n in ("w13_scale", "w2_scale") if getattr(weights, n) is None]

@@ -65,3 +65,41 @@ def test_ep_equals_single_process(tokens_per_rank: list[int], routing: str, comb
     assert [o.shape[0] for o in outs] == tokens_per_rank
     # Same rounding points; only fp32 accumulation order may differ: allow 1 bf16 ulp.
     torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-6)
+
+
+def _one_rank_rejects(rank: int, world: int) -> list:
+    """Rank 0 rejects its inputs (never reaches the exchange) and stays alive past the others' deadline;
+    the others' forward raises MoEEpTransportError after ``transport_timeout_s``, and recovery says what to do."""
+    import time
+
+    w13, w2, x, ids, w = _global_inputs(3, [4] * world, "uniform")
+    e_local = E // world
+    experts = slice(rank * e_local, (rank + 1) * e_local)
+    layer = moe.MoEEpLayer(
+        moe.BootstrapConfig(world_size=world, rank=rank, device="cpu", transport_timeout_s=1.0),
+        moe.FleetParams(E, 4, H),
+        moe.MoEWeightPack(w13[experts].contiguous(), w2[experts].contiguous()),
+        backend=moe.MegaConfig(moe.ReferenceMegaMoeConfig(H, I, E, K)),
+    )
+    mine = slice(4 * rank, 4 * rank + 4)
+    layer.forward(moe.MoEEpTensors(x[mine], ids[mine], w[mine]))  # every rank in step first
+    seen: list = []
+    if rank == 0:
+        bad = ids[mine].clone()
+        bad[0, 0] = E
+        with pytest.raises(moe.MoEEpInputError, match="outside"):
+            layer.forward(moe.MoEEpTensors(x[mine], bad, w[mine]))
+        time.sleep(4.0)  # alive past the others' deadline: they time out, not see a closed connection
+        return seen
+    t0 = time.monotonic()
+    with pytest.raises(moe.MoEEpTransportError, match="dispatch count exchange failed or did not complete"):
+        layer.forward(moe.MoEEpTensors(x[mine], ids[mine], w[mine]))
+    seen.append(time.monotonic() - t0)
+    with pytest.raises(moe.MoEEpTransportError, match="rebuild the process group"):
+        layer.recover_transport()
+    return seen
+
+
+def test_a_rank_that_rejects_its_inputs_costs_the_others_the_transport_timeout_not_a_hang() -> None:
+    (waited,) = run_on_local_ranks(_one_rank_rejects, 2, timeout_s=120)[1]
+    assert 0.9 <= waited < 3.5  # the 1 s deadline (gloo's own default is 30 min)

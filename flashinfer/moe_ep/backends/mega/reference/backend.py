@@ -10,6 +10,7 @@ The dynamic NVFP4 FC2-input scale is all-reduced likewise, so the EP result equa
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,7 @@ from ....core.reference_quant import (
     quantized_fc1,
     quantized_fc2,
 )
-from ....errors import MoEEpConfigError
+from ....errors import MoEEpConfigError, MoEEpTransportError
 from ..base import MegaKernelBackend
 from .config import ReferenceMegaMoeConfig
 
@@ -65,6 +66,24 @@ class ReferenceMegaMoeBackend(MegaKernelBackend):
     def weight_format(self) -> str:
         return self.config.weight_format
 
+    def _collective(self, stage: str, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """``collective(*args, group, async_op=True)`` waited for at most ``transport_timeout_s``: a rank that
+        never joins (it rejected its inputs, stopped, or runs another forward) costs the others that
+        long, then a MoEEpTransportError naming the stage. Over NCCL a wait with a deadline holds the host
+        until the collective completes (torch's ``Work.wait``): fine for an oracle, not a serving path."""
+        work = collective(*args, group=self.group, async_op=True, **kwargs)
+        timeout = self.bootstrap.transport_timeout_s
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=timeout))
+        except RuntimeError as exc:
+            b = self.bootstrap
+            raise MoEEpTransportError(
+                f"rank {b.rank} of {b.world_size}: the reference backend's {stage} failed or did not complete within "
+                f"transport_timeout_s={timeout} s (another rank rejected its inputs, stopped, or is behind: every "
+                f"rank must call forward with valid inputs); the process group is then out of step: rebuild it "
+                f"and the layer ({exc})"
+            ) from exc
+
     def preprocess_weights(self, weights: MoEWeightPack) -> None:
         fmt = self.weight_format
         if fmt == "bf16":
@@ -97,7 +116,7 @@ class ReferenceMegaMoeBackend(MegaKernelBackend):
         amax = local.abs().amax() if local.numel() else torch.zeros((), device=local.device)
         amax = amax.float().reshape(1).clone()
         if self.world_size > 1:
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
+            self._collective("activation amax all-reduce", dist.all_reduce, amax, op=dist.ReduceOp.MAX)
         return amax.reshape(())
 
     def _activation_global_scale(self, given: float | None, local: torch.Tensor) -> torch.Tensor | None:
@@ -144,16 +163,17 @@ class ReferenceMegaMoeBackend(MegaKernelBackend):
         order = torch.argsort(dest, stable=True)
         send_counts = torch.bincount(dest, minlength=self.world_size)
         recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        self._collective("dispatch count exchange", dist.all_to_all_single, recv_counts, send_counts)
         send_split, recv_split = send_counts.tolist(), recv_counts.tolist()
         n_recv = sum(recv_split)
 
         # bf16 rows travel bit-exactly as bytes (gloo's all-to-all takes neither bf16 nor int16).
         x_send = x_pairs[order].view(torch.uint8)
         x_recv = torch.empty(n_recv, 2 * h, dtype=torch.uint8, device=x_pairs.device)
-        dist.all_to_all_single(x_recv, x_send, recv_split, send_split, group=self.group)
+        self._collective("dispatch of rows", dist.all_to_all_single, x_recv, x_send, recv_split, send_split)
         ids_recv = torch.empty(n_recv, dtype=torch.int64, device=x_pairs.device)
-        dist.all_to_all_single(ids_recv, flat_ids[order].contiguous(), recv_split, send_split, group=self.group)
+        ids_send = flat_ids[order].contiguous()
+        self._collective("dispatch of expert ids", dist.all_to_all_single, ids_recv, ids_send, recv_split, send_split)
 
         local_ids = ids_recv - self.bootstrap.rank * e_local
         if experts is None:
@@ -164,10 +184,18 @@ class ReferenceMegaMoeBackend(MegaKernelBackend):
             y_recv = experts(x_recv.view(torch.bfloat16), local_ids)
 
         y_back = torch.empty(x_pairs.shape[0], 2 * h, dtype=torch.uint8, device=x_pairs.device)
-        dist.all_to_all_single(y_back, y_recv.view(torch.uint8), send_split, recv_split, group=self.group)
+        y_send = y_recv.view(torch.uint8)
+        self._collective("combine", dist.all_to_all_single, y_back, y_send, send_split, recv_split)
         y = torch.empty_like(y_back)
         y[order] = y_back
         return y.view(torch.bfloat16)
+
+    def recover_transport(self) -> None:
+        if self.world_size > 1:
+            raise MoEEpTransportError(
+                "the reference backend cannot bring a torch.distributed group back in step after a timed-out "
+                "exchange: destroy the layer, rebuild the process group, and build the layer again"
+            )
 
     def destroy(self) -> None:
         self.w13 = self.w2 = None

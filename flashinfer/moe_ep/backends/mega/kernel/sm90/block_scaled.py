@@ -19,6 +19,7 @@ from .....errors import MoEEpConfigError
 from ...base import MegaKernelBackend
 from .runtime import (
     acquire_pooled_workspace,
+    check_kernel_config,
     load_kernel,
     make_geometry,
     pool_owner,
@@ -36,15 +37,15 @@ class Sm90BlockScaledConfig(MegaKernelConfig):
     TUNING.md, ``BUCKETS``: the swap-AB GEMMs with a token tile growing with the tokens per expert,
     16 to 128; where they cannot tile the shape, 64-row M tiles up to 32 tokens per expert and 128-row
     ones above) or a mapping of compile-time knobs for every T (``tile_m`` 64/128, or 16/32/64/128 with
-    ``swap_ab``, ``swap_wg`` 1/2, ``swap_atoms`` 2/4, ``swap_stagger`` 0-8 and, at world size 1,
-    ``gather_in_fc1``; ``fc1_tile_n``,
+    ``swap_ab``, ``swap_wg`` 1/2/4, ``swap_atoms`` 1/2/4 (4 warpgroups with 1 or 2 atoms),
+    ``swap_stagger`` 0-8 and, at world size 1, ``gather_in_fc1`` and the GEMV (``gemv``, 8-token tiles); ``fc1_tile_n``,
     ``fc2_tile_n``, ``fc1_stages``, ``fc2_stages``, ``num_sms``; at ``world_size > 1`` also
     ``dispatch``, ``"pull"`` (default) or ``"push"``). Hidden and intermediate sizes must be
     multiples of 64.
 
     At ``world_size > 1`` the layer runs the in-kernel EP protocol of the BF16 kernel around the
     block-scaled GEMMs (``block_scaled_ep.py``): each rank quantizes its tokens once and the
-    dispatch moves their exact BF16 values; the combine wire is bf16.
+    dispatch moves their exact BF16 values; the combine wire is ``combine_dtype`` (bf16, or mxfp8).
 
     ``prequantized_input``: the layer takes activations already in the weight format, as codes in
     ``MoEEpTensors.hidden_states`` and block scales in ``MoEEpTensors.scales`` (MXFP8: float8_e4m3fn
@@ -64,17 +65,9 @@ class Sm90BlockScaledConfig(MegaKernelConfig):
         super().__post_init__()
         if not isinstance(self.prequantized_input, bool):
             raise MoEEpConfigError(f"prequantized_input must be a bool, got {self.prequantized_input!r}")
-        if self.knobs is not None:
-            if not isinstance(self.knobs, dict):
-                raise MoEEpConfigError(f"{type(self).__name__}.knobs must be None or a dict of knobs")
-            from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
+        from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
 
-            known = [f.name for f in fields(drop.QuantKnobs)] + list(EP_KNOBS)
-            unknown = sorted(set(self.knobs) - set(known))
-            if unknown:
-                raise MoEEpConfigError(
-                    f"{type(self).__name__}.knobs: unknown {', '.join(unknown)}; known: {', '.join(known)}"
-                )
+        check_kernel_config(self, [f.name for f in fields(drop.QuantKnobs)] + list(EP_KNOBS))
 
 
 def _positive_scale(owner: str, name: str, value: object) -> None:

@@ -6,7 +6,8 @@ Each rank quantizes its own tokens once (or dequantizes the pre-quantized codes)
 row buffer; the dispatch moves those exact BF16 values to the experts' owners, which run the
 world-size-1 block-scaled GEMMs on them (FC1, requantization to the FC2 input format, FC2); the
 combine reads bf16 y from the owners. The result is the semantics of
-``core.reference_quant.reference_moe_quant`` at every world size (bf16 combine wire).
+``core.reference_quant.moe_reference_quantized`` at every world size (with the ``combine_dtype`` wire's
+rounding where it is mxfp8).
 
 Token buckets: the world-size-1 ``BUCKETS`` at the GLOBAL token count ``world_size * T`` over the
 global experts (``block_scaled.ep_token_bucket``), picked per forward from this rank's rows; every

@@ -11,7 +11,35 @@ import torch
 
 from .....config import MoEEpTensors
 from .....core.quant import quantize_activations
-from .....errors import MoEEpBackendUnavailableError
+from .....errors import MoEEpBackendUnavailableError, MoEEpConfigError
+
+#: hidden and intermediate sizes of every SM90 kernel: multiples of the K tile
+SIZE_ALIGNMENT = 64
+
+
+def check_kernel_config(
+    config: Any, known_knobs: list[str], modes: tuple[str, ...] = (), knob_class: type | None = None
+) -> None:
+    """What an SM90 kernel config can be told wrong at construction, on any machine: hidden and
+    intermediate sizes (multiples of 64) and ``knobs`` (None, one of ``modes``, a ``knob_class``
+    instance, or a dict of known knob names). Knob values are checked where the geometry meets the rank
+    count: building the layer (or ``python -m flashinfer.moe_ep build`` for a contract)."""
+    name = type(config).__name__
+    for field_name in ("hidden_size", "intermediate_size"):
+        size = getattr(config, field_name)
+        if size % SIZE_ALIGNMENT:
+            raise MoEEpConfigError(f"{name}.{field_name} must be a multiple of {SIZE_ALIGNMENT}, got {size}")
+    knobs = config.knobs
+    if knobs is None or (isinstance(knobs, str) and knobs in modes):
+        return
+    if knob_class is not None and isinstance(knobs, knob_class):
+        return
+    if not isinstance(knobs, dict):
+        allowed = ", ".join(["None", *(repr(m) for m in modes), "a dict of knobs"])
+        raise MoEEpConfigError(f"{name}.knobs must be {allowed}; got {knobs!r}")
+    unknown = sorted(str(k) for k in set(knobs) - set(known_knobs))
+    if unknown:
+        raise MoEEpConfigError(f"{name}.knobs: unknown {', '.join(unknown)}; known: {', '.join(known_knobs)}")
 
 
 def sm90_requirements(device: torch.device) -> list[str]:
@@ -114,6 +142,7 @@ def prequantized_inputs(config: Any, x: torch.Tensor) -> tuple[torch.Tensor, tor
 
 __all__ = [
     "acquire_pooled_workspace",
+    "check_kernel_config",
     "pool_owner",
     "load_kernel",
     "make_geometry",

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -21,3 +22,13 @@ class Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(MegaKernelConfig):  # noqa: N801
     """
 
     kernel_name: ClassVar[str] = "sm90_bf16_bf16_bf16_cutedsl"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
+
+        from ..runtime import check_kernel_config
+
+        known = [f.name for f in dataclasses.fields(drop.Bf16Knobs)]
+        known += [k for k in drop.EP_KNOBS if k not in known]  # world size > 1
+        check_kernel_config(self, known, modes=("auto",), knob_class=drop.Bf16Knobs)

@@ -14,10 +14,10 @@ T per rank (``bucket_plan``), ``drop.autotune`` over ``drop.ep_candidates`` (eve
 combination; the bucket's current knobs are the incumbent), every rank in lockstep, a candidate
 failing anywhere dropped everywhere. The EP specifics:
 
-- per candidate every rank builds (loads) its kernel, its weights in that candidate's layout and a
-  fresh EP rank state: a symmetric allocation, collective, so the previous candidate's state is
-  released first and in the same order on every rank (over NVSHMEM the heap must hold the layer's
-  state and one candidate's at once);
+- per candidate every rank builds (loads) its kernel and its weights in that candidate's layout; the
+  EP rank state is one per rank for the whole run (a symmetric allocation, collective, sized for every
+  candidate at the first one), resynchronized between candidates as after a failed forward (a fresh
+  state per candidate ran the free GPU memory down on two H200s until a bucket failed: TUNING.md);
 - the timed launch is the collective forward, host-timed with each launch synchronized; an expired
   cross-rank wait fails the candidate (every rank's abort word is read after its timings; the other
   ranks' waits expire too);
