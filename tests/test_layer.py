@@ -64,7 +64,7 @@ def _bad_cases(gen):
         "num_tokens must have dtype": moe.MoEEpTensors(x, ids, w, num_tokens=torch.tensor([2])),
         "num_tokens must have shape": moe.MoEEpTensors(x, ids, w, num_tokens=torch.tensor(2, dtype=torch.int32)),
         "num_tokens holds 5, outside \\[0, 4\\]": moe.MoEEpTensors(x, ids, w, num_tokens=torch.tensor([5]).int()),
-        "holds expert id 8, outside": moe.MoEEpTensors(  # a bad id inside the live rows is still caught
+        "holds expert id 8 \\(token 0\\), outside": moe.MoEEpTensors(  # a bad id inside the live rows is still caught
             x, ids.masked_fill(ids == ids[0, 0], 8), w, num_tokens=torch.tensor([4]).int()
         ),
     }

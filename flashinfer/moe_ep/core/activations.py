@@ -49,7 +49,7 @@ def validate_activation(name: str, limit: float | None) -> None:
     if limit is not None:
         if name not in ("swiglu", "swiglu_oai"):
             raise MoEEpConfigError(f"activation {name!r} takes no clamp limit (got limit={limit})")
-        if not (isinstance(limit, (int, float)) and math.isfinite(limit) and limit > 0):
+        if not (isinstance(limit, (int, float)) and not isinstance(limit, bool) and math.isfinite(limit) and limit > 0):
             raise MoEEpConfigError(f"activation limit must be a finite positive number, got {limit!r}")
 
 

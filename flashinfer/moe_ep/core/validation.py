@@ -33,7 +33,10 @@ def check_tensor(
         raise MoEEpInputError(f"{name} must have shape {want_s}, got {_describe(t)}")
     dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
     if t.dtype not in dtypes:
-        raise MoEEpInputError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {_describe(t)}")
+        raise MoEEpInputError(
+            f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {_describe(t)} "
+            f"(convert with .to({dtypes[0]}))"
+        )
     if device is not None and not _same_device(t.device, device):
         raise MoEEpInputError(f"{name} must be on {device}, got {_describe(t)}")
     if contiguous and not t.is_contiguous():
@@ -274,15 +277,18 @@ def check_topk_values(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_ex
     lo, hi = int(topk_ids.min()), int(topk_ids.max())
     if lo < 0 or hi >= num_experts:
         bad = lo if lo < 0 else hi
-        raise MoEEpInputError(f"topk_ids holds expert id {bad}, outside [0, {num_experts})")
+        row = int((topk_ids == bad).any(dim=1).nonzero()[0, 0])
+        raise MoEEpInputError(f"topk_ids holds expert id {bad} (token {row}), outside [0, {num_experts})")
     if topk_ids.shape[1] > 1:
         s = topk_ids.sort(dim=1).values
         dup = (s[:, 1:] == s[:, :-1]).any(dim=1)
         if bool(dup.any()):
             row = int(dup.nonzero()[0, 0])
             raise MoEEpInputError(f"topk_ids repeats an expert within token {row}: {topk_ids[row].tolist()}")
-    if not bool(torch.isfinite(topk_weights).all()):
-        raise MoEEpInputError("topk_weights holds a non-finite value")
+    finite = torch.isfinite(topk_weights).all(dim=1)
+    if not bool(finite.all()):
+        row = int((~finite).nonzero()[0, 0])
+        raise MoEEpInputError(f"topk_weights holds a non-finite value (token {row}: {topk_weights[row].tolist()})")
 
 
 def check_finite(name: str, t: torch.Tensor) -> None:

@@ -100,8 +100,16 @@ class MegaKernelBackend(abc.ABC):
     def check_unquantized_weights(self, weights: MoEWeightPack, dtype: torch.dtype | tuple[torch.dtype, ...]) -> None:
         """For backends taking plain (unscaled) weights: no scales; shapes, dtype, device, finiteness."""
         c = self.config
-        if any(s is not None for s in (weights.w13_scale, weights.w2_scale)):
-            raise MoEEpInputError(f"backend {c.kernel_name!r} takes unquantized weights; got weight scales")
+        given = [
+            n
+            for n in ("w13_scale", "w2_scale", "w13_global_scale", "w2_global_scale")
+            if getattr(weights, n) is not None
+        ]
+        if given:
+            raise MoEEpInputError(
+                f"backend {c.kernel_name!r} takes unquantized weights; got {', '.join('weights.' + n for n in given)} "
+                "(quantized packs: a config with weight_format='mxfp8' / 'nvfp4', or the MXFP8 / NVFP4 backends)"
+            )
         check_expert_weights(
             weights.w13,
             weights.w2,
