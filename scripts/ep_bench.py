@@ -141,7 +141,13 @@ def main() -> int:
                 weight_format=a.format, combine_dtype=a.combine_dtype,
             )  # fmt: skip
         layer = moe.MoEEpLayer(
-            moe.BootstrapConfig(world_size=world, rank=rank, device=dev, process_group=group),
+            moe.BootstrapConfig(
+                world_size=world,
+                rank=rank,
+                device=dev,
+                process_group=group,
+                transport_timeout_s=30.0 if gpu else 3600.0,
+            ),  # CPU ranks compute slowly
             moe.FleetParams(c.num_experts, max(a.tokens), c.hidden_size),
             moe.MoEWeightPack(w13, w2),
             backend=moe.MegaConfig(config),

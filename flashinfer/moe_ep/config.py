@@ -28,7 +28,9 @@ class BootstrapConfig:
 
     ``process_group``: the EP group (torch.distributed); ``None`` means the default group when
     ``world_size > 1``. ``device``: this rank's device (default: the current CUDA device, else CPU).
-    ``transport_timeout_s``: deadline of every cross-rank wait in the kernels.
+    ``transport_timeout_s``: deadline of every cross-rank wait: the kernels' spin-waits, and the
+    reference backend's torch.distributed collectives (a rank waits there while the others compute: raise
+    it for CPU runs whose ranks compute longer than that between two exchanges).
     ``symmetric_memory``: where kernel backends put cross-rank buffers at ``world_size > 1``: ``auto``
     (= ``nvshmem``: one process per GPU, after ``bootstrap_moe_ep_runtime``) or ``loopback``
     (``world_size`` logical ranks inside one process on one GPU, sharing ``loopback_group`` from

@@ -61,7 +61,9 @@ def _rank_job(rank: int, world: int, spec: dict[str, Any]) -> list[dict[str, Any
         c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit
     )
     layer = MoEEpLayer(
-        BootstrapConfig(world_size=world, rank=rank, device=device),
+        # local ranks on the CPU wait in the reference backend's exchanges while the others compute: large
+        # contracts take far longer there than the 30 s default, which is meant for GPU kernels
+        BootstrapConfig(world_size=world, rank=rank, device=device, transport_timeout_s=3600.0),
         FleetParams(c.num_experts, max(spec["tokens"]), c.hidden_size),
         MoEWeightPack(w13[mine].contiguous().to(device), w2[mine].contiguous().to(device)),
         backend=MegaConfig(megakernel=config),
