@@ -264,21 +264,13 @@ def make_probe_class():
                     warpgroup.fence()
                     ab_pipe.consumer_wait(read)
                     for s in cutlass.range_constexpr(self.slices):
-                        cute.gemm(
-                            tiled_mma, acc, tCrA[(None, None, s, read.index)], tCrB[(None, None, s, read.index)], acc
-                        )
+                        self._slice_mma(tiled_mma, acc, tCrA, tCrB, s, read.index)
                     warpgroup.commit_group()
                     read.advance()
                     for _k in cutlass.range(1, k_tiles, unroll=1):
                         ab_pipe.consumer_wait(read)
                         for s in cutlass.range_constexpr(self.slices):
-                            cute.gemm(
-                                tiled_mma,
-                                acc,
-                                tCrA[(None, None, s, read.index)],
-                                tCrB[(None, None, s, read.index)],
-                                acc,
-                            )
+                            self._slice_mma(tiled_mma, acc, tCrA, tCrB, s, read.index)
                         warpgroup.commit_group()
                         warpgroup.wait_group(1)
                         ab_pipe.consumer_release(release)
@@ -309,13 +301,7 @@ def make_probe_class():
                             warpgroup.fence()
                             for s in cutlass.range_constexpr(self.slices):
                                 tiled_mma.set(warpgroup.Field.ACCUMULATE, s > 0)
-                                cute.gemm(
-                                    tiled_mma,
-                                    scratch[0],
-                                    tCrA[(None, None, s, read.index)],
-                                    tCrB[(None, None, s, read.index)],
-                                    scratch[0],
-                                )
+                                self._slice_mma(tiled_mma, scratch[0], tCrA, tCrB, s, read.index)
                             warpgroup.commit_group()
                             warpgroup.wait_group(0)
                             self._promote(acc, scratch[0], sc)
@@ -323,13 +309,7 @@ def make_probe_class():
                             for s in cutlass.range_constexpr(self.slices):
                                 sc = self._scales(wa, stage_base, groups, s)
                                 warpgroup.fence()
-                                cute.gemm(
-                                    tiled_mma,
-                                    scratch[0],
-                                    tCrA[(None, None, s, read.index)],
-                                    tCrB[(None, None, s, read.index)],
-                                    scratch[0],
-                                )
+                                self._slice_mma(tiled_mma, scratch[0], tCrA, tCrB, s, read.index)
                                 warpgroup.commit_group()
                                 warpgroup.wait_group(0)
                                 self._promote(acc, scratch[0], sc)
@@ -338,13 +318,7 @@ def make_probe_class():
                             for s in cutlass.range_constexpr(self.slices):
                                 sc = self._scales(wa, stage_base, groups, s)
                                 warpgroup.fence()
-                                cute.gemm(
-                                    tiled_mma,
-                                    scratch[s % 2],
-                                    tCrA[(None, None, s, read.index)],
-                                    tCrB[(None, None, s, read.index)],
-                                    scratch[s % 2],
-                                )
+                                self._slice_mma(tiled_mma, scratch[s % 2], tCrA, tCrB, s, read.index)
                                 warpgroup.commit_group()
                                 if cutlass.const_expr(s > 0):
                                     warpgroup.wait_group(1)  # slice s-1 is done; slice s runs during its promotion
@@ -361,6 +335,10 @@ def make_probe_class():
                 thr_store = tiled_store.get_slice(mma_tidx)
                 gC = cute.local_tile(mC, (self.tile_m, self.tile_n), (None, None))
                 cute.copy(tiled_store, tiled_store.retile(acc), thr_store.partition_D(gC[(None, None, bx, by)]))
+
+        def _slice_mma(self, tiled_mma, dst, tCrA, tCrB, s: int, stage) -> None:
+            """K slice ``s`` (one WGMMA's K) of ring stage ``stage``: ``dst`` (+)= A_s B_s^T."""
+            cute.gemm(tiled_mma, dst, tCrA[(None, None, s, stage)], tCrB[(None, None, s, stage)], dst)
 
         def _scales(self, wa, stage_base, groups, s: int) -> tuple:
             """The slice's two row multipliers and the thread's column multipliers from the stage's

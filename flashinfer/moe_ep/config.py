@@ -10,6 +10,7 @@ import torch
 
 from .core.activations import ActivationSpec, fc1_rows
 from .core.reference import COMBINE_DTYPES
+from .core.validation import is_positive_finite
 from .errors import MoEEpConfigError
 
 
@@ -63,10 +64,10 @@ class BootstrapConfig:
             )
         if self.local_rank is not None and not (_is_int(self.local_rank) and self.local_rank >= 0):
             raise MoEEpConfigError(f"BootstrapConfig.local_rank must be None or an int >= 0, got {self.local_rank!r}")
-        t = self.transport_timeout_s
-        if not (isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < float("inf")):
+        if not is_positive_finite(self.transport_timeout_s):
             raise MoEEpConfigError(
-                f"BootstrapConfig.transport_timeout_s must be a finite number of seconds > 0, got {t!r}"
+                f"BootstrapConfig.transport_timeout_s must be a finite number of seconds > 0, "
+                f"got {self.transport_timeout_s!r}"
             )
         if self.process_group is not None and not all(
             callable(getattr(self.process_group, m, None)) for m in ("size", "rank")

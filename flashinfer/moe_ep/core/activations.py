@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import MoEEpConfigError
+from .validation import is_positive_finite
 
 #: gpt-oss constants for ``swiglu_oai``.
 SWIGLU_OAI_ALPHA = 1.702
@@ -49,7 +50,7 @@ def validate_activation(name: str, limit: float | None) -> None:
     if limit is not None:
         if name not in ("swiglu", "swiglu_oai"):
             raise MoEEpConfigError(f"activation {name!r} takes no clamp limit (got limit={limit})")
-        if not (isinstance(limit, (int, float)) and not isinstance(limit, bool) and math.isfinite(limit) and limit > 0):
+        if not is_positive_finite(limit):
             raise MoEEpConfigError(f"activation limit must be a finite positive number, got {limit!r}")
 
 

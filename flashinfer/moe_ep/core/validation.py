@@ -7,9 +7,16 @@ them only when asked to (``check_values``) and never during CUDA-graph capture.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..errors import MoEEpInputError
+
+
+def is_positive_finite(value: object) -> bool:
+    """A real number (int or float, not bool) that is finite and > 0: scales, limits, timeouts."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def _describe(t: torch.Tensor) -> str:

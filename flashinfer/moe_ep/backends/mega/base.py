@@ -19,6 +19,9 @@ from ...core.reference_quant import QuantizedExpertWeights, quantize_expert_weig
 from ...core.validation import check_expert_weights
 from ...errors import MoEEpBackendUnavailableError, MoEEpConfigError, MoEEpInputError
 
+#: the scale fields of a ``MoEWeightPack`` (all None: unquantized weights)
+_SCALE_FIELDS = ("w13_scale", "w2_scale", "w13_global_scale", "w2_global_scale")
+
 
 class MegaKernelBackend(abc.ABC):
     """Base class of every mega backend. Subclasses set ``config_cls``."""
@@ -100,11 +103,7 @@ class MegaKernelBackend(abc.ABC):
     def check_unquantized_weights(self, weights: MoEWeightPack, dtype: torch.dtype | tuple[torch.dtype, ...]) -> None:
         """For backends taking plain (unscaled) weights: no scales; shapes, dtype, device, finiteness."""
         c = self.config
-        given = [
-            n
-            for n in ("w13_scale", "w2_scale", "w13_global_scale", "w2_global_scale")
-            if getattr(weights, n) is not None
-        ]
+        given = [n for n in _SCALE_FIELDS if getattr(weights, n) is not None]
         if given:
             raise MoEEpInputError(
                 f"backend {c.kernel_name!r} takes unquantized weights; got {', '.join('weights.' + n for n in given)} "
@@ -128,9 +127,8 @@ class MegaKernelBackend(abc.ABC):
         A pack of unquantized weights (bf16 / fp16 / fp32, no scale at all) is quantized here, once, with
         ``core.reference_quant.quantize_expert_weights`` (NVFP4: one global scale per expert and matrix)."""
         c = self.config
-        scale_names = ("w13_scale", "w2_scale", "w13_global_scale", "w2_global_scale")
         floats = (torch.bfloat16, torch.float16, torch.float32)
-        unquantized = all(getattr(weights, n) is None for n in scale_names) and all(
+        unquantized = all(getattr(weights, n) is None for n in _SCALE_FIELDS) and all(
             isinstance(w, torch.Tensor) and w.dtype in floats for w in (weights.w13, weights.w2)
         )
         if unquantized:

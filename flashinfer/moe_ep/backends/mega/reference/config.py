@@ -1,11 +1,11 @@
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ....config import MegaKernelConfig
 from ....core.reference_quant import FORMAT_BLOCK
+from ....core.validation import is_positive_finite
 from ....errors import MoEEpConfigError
 
 #: weight formats the reference backend runs (``core.reference`` / ``core.reference_quant`` semantics).
@@ -52,8 +52,7 @@ class ReferenceMegaMoeConfig(MegaKernelConfig):
                 continue
             if fmt != "nvfp4":
                 raise MoEEpConfigError(f"ReferenceMegaMoeConfig.{name} is for weight_format='nvfp4' only (got {fmt!r})")
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-            if not ok:
+            if not is_positive_finite(value):
                 raise MoEEpConfigError(f"ReferenceMegaMoeConfig.{name} must be a finite float > 0, got {value!r}")
         if fmt in FORMAT_BLOCK:
             block = FORMAT_BLOCK[fmt]

@@ -15,7 +15,7 @@ import torch
 from . import comm
 from . import kernel_helpers as kh
 from .bf16 import Bf16Frontend, widest_tile
-from .frontend import Geometry
+from .frontend import Geometry, check_token_capacity
 
 _TORCH = {"int32": torch.int32, "bfloat16": torch.bfloat16, "float32": torch.float32, "int64": torch.int64}
 
@@ -299,10 +299,7 @@ class EpRankState:
         kernel's arguments before ``out`` (BF16: ``x, topk_ids, topk_weights, w13, w2``; block-scaled:
         ``QuantEpFrontend.operands``). ``live_tokens``: int32 [1] device tensor, default all
         ``out.shape[0]`` rows."""
-        if out.shape[0] > self.max_tokens:
-            raise ValueError(
-                f"this EP rank state was allocated for at most {self.max_tokens} tokens, got T={out.shape[0]}"
-            )
+        check_token_capacity(out.shape[0], self.max_tokens, "this EP rank state")
         if live_tokens is None:
             live_tokens = self.counts[out.shape[0] : out.shape[0] + 1]
         fn(*operands, out, live_tokens, *self.state_args(), timeout_ns)

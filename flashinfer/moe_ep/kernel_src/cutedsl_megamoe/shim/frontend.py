@@ -212,11 +212,16 @@ class KernelFrontend(abc.ABC):
         """Raise ValueError before any launch when ``workspace`` was sized for fewer than ``tokens``
         tokens (its buffers would be overrun). A plain dict carries no size and is not checked."""
         most = getattr(workspace, "max_tokens", None)
-        if most is not None and tokens > most:
-            raise ValueError(
-                f"this workspace was allocated for at most {most} tokens, got T={tokens}: allocate one for "
-                "the largest T launched (allocate_workspace / allocate_shared_workspace)"
-            )
+        if most is not None:
+            check_token_capacity(tokens, most, "this workspace (allocate_workspace / allocate_shared_workspace)")
+
+
+def check_token_capacity(tokens: int, most: int, what: str) -> None:
+    """Raise ValueError before a launch of ``tokens`` tokens on buffers (``what``) sized for ``most``."""
+    if tokens > most:
+        raise ValueError(
+            f"{what} was allocated for at most {most} tokens, got T={tokens}: allocate it for the largest T launched"
+        )
 
 
 def check_glu_geometry(
@@ -304,6 +309,7 @@ __all__ = [
     "Workspace",
     "allocate_shared_workspace",
     "check_glu_geometry",
+    "check_token_capacity",
     "dsl_available",
     "prepare_compile_env",
 ]

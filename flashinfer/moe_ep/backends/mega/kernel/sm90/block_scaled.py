@@ -15,9 +15,11 @@ from typing import Any, ClassVar
 import torch
 
 from .....config import MegaKernelConfig, MoEEpTensors, MoEWeightPack
+from .....core.validation import is_positive_finite
 from .....errors import MoEEpConfigError
 from ...base import MegaKernelBackend
 from .runtime import (
+    SIZE_ALIGNMENT,
     acquire_pooled_workspace,
     check_kernel_config,
     load_kernel,
@@ -71,8 +73,7 @@ class Sm90BlockScaledConfig(MegaKernelConfig):
 
 
 def _positive_scale(owner: str, name: str, value: object) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-    if not ok:
+    if not is_positive_finite(value):
         raise MoEEpConfigError(f"{owner}.{name} must be a finite float > 0, got {value!r}")
 
 
@@ -99,8 +100,8 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
     """Weights: ``MoEWeightPack`` in the layout of ``core.reference_quant``. World size 1 here; at
     ``world_size > 1`` construction returns the EP backend (``block_scaled_ep.Sm90BlockScaledEpBackend``)."""
 
-    hidden_alignment: ClassVar[int] = 64
-    intermediate_alignment: ClassVar[int] = 64
+    hidden_alignment: ClassVar[int] = SIZE_ALIGNMENT
+    intermediate_alignment: ClassVar[int] = SIZE_ALIGNMENT
 
     @classmethod
     def runtime_requirements(cls, device: torch.device) -> list[str]:

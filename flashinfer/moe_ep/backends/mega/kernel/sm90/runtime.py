@@ -13,7 +13,8 @@ from .....config import MoEEpTensors
 from .....core.quant import quantize_activations
 from .....errors import MoEEpBackendUnavailableError, MoEEpConfigError
 
-#: hidden and intermediate sizes of every SM90 kernel: multiples of the K tile
+#: hidden and intermediate sizes of every SM90 kernel: multiples of the K tile (checked by the configs at
+#: construction and, as every backend's alignment, by ``MegaKernelBackend.check_geometry``)
 SIZE_ALIGNMENT = 64
 
 
@@ -141,6 +142,7 @@ def prequantized_inputs(config: Any, x: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 __all__ = [
+    "SIZE_ALIGNMENT",
     "acquire_pooled_workspace",
     "check_kernel_config",
     "pool_owner",

@@ -10,6 +10,7 @@ from ......config import MoEEpTensors, MoEWeightPack
 from ......errors import MoEEpConfigError
 from ....base import MegaKernelBackend
 from ..runtime import (
+    SIZE_ALIGNMENT,
     acquire_pooled_workspace,
     load_kernel,
     pool_owner,
@@ -52,8 +53,8 @@ def make_frontend(config: Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig, num_local_e
 
 class Sm90Bf16CutedslBackend(MegaKernelBackend):
     config_cls = Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig
-    hidden_alignment: ClassVar[int] = 64
-    intermediate_alignment: ClassVar[int] = 64
+    hidden_alignment: ClassVar[int] = SIZE_ALIGNMENT
+    intermediate_alignment: ClassVar[int] = SIZE_ALIGNMENT
 
     @classmethod
     def runtime_requirements(cls, device: torch.device) -> list[str]:
