@@ -130,6 +130,8 @@ BF16_KNOBS: tuple[KnobSpec, ...] = (
     KnobSpec("decode_stages", PERFORMANCE, range(2, 9), None, why="ring depth per warp of the fused decode kernel"),
     KnobSpec("decode_k_warps", PERFORMANCE, (None, 1, 2, 4, 8, 16), None,
              why="warps per FC1 unit of the fused decode kernel (None: all of the CTA's)"),
+    KnobSpec("decode_bulk", PERFORMANCE, (False, True), None,
+             why="FC1 weight rows of the fused decode kernel by bulk copies (needs fc1_tiled)"),
     # None = as many stages as shared memory allows; an explicit depth can overflow shared memory,
     # which only the compiler detects, so candidates keep None and explicit depths are for hand tuning.
     KnobSpec("fc1_stages", PERFORMANCE, _STAGES, None, why="FC1 TMA pipeline depth"),

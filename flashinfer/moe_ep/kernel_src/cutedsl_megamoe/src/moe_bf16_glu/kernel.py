@@ -94,6 +94,9 @@ class Sm90MegaMoEBf16Kernel:
     :param decode_warps, decode_stages, decode_k_warps: the fused kernel's warps per CTA (8, 16), ring depth
         per warp and warps splitting the K steps of one FC1 unit (1, 2, 4, 8, 16, at most ``decode_warps``;
         None: all of the CTA's).
+    :param decode_bulk: the fused kernel's FC1 weight rows by bulk copies (``cp.async.bulk``, lane 0 of a warp,
+        an mbarrier per ring stage) instead of every lane's 16-byte ``cp.async``; needs ``fc1_tiled``. A
+        candidate (session 27): not run on a GPU.
     :param stage_mask: debugging/profiling only: bit i enables stage i (routing, gather, FC1,
         FC2, combine); anything but 0b11111 gives wrong results (and masking out routing leaves
         ``expert_count`` non-zero).
@@ -129,6 +132,7 @@ class Sm90MegaMoEBf16Kernel:
         decode_warps: int = 16,
         decode_stages: int = 4,
         decode_k_warps: int | None = None,
+        decode_bulk: bool = False,
     ) -> None:
         early = fc2_early_weights and cluster_m == 1 and use_pdl
         self.sized_grids = sized_grids
@@ -170,10 +174,9 @@ class Sm90MegaMoEBf16Kernel:
             trigger_after_wait=early,
         )
         # decode_fused: the whole layer is this one kernel (the GEMMs above then only give w13's layout)
+        decode_shape = (decode_warps, decode_stages, decode_k_warps)
         self.decode = (
-            FusedDecodeSm90(
-                activation, limit, num_sms, fc1_tile_n, fc1_tiled, decode_warps, decode_stages, decode_k_warps
-            )
+            FusedDecodeSm90(activation, limit, num_sms, fc1_tile_n, fc1_tiled, *decode_shape, bulk=decode_bulk)
             if decode_fused
             else None
         )
