@@ -51,6 +51,12 @@ class Bf16Knobs:
     where it wins. ``decode_bulk`` (needs ``fc1_tiled``): its FC1 weight rows by bulk copies instead of every
     lane's ``cp.async`` (a candidate of session 27, not yet run on a GPU).
 
+    ``pair_blocks`` (needs ``gather_in_fc1`` and ``cluster_m=1``): the chain without its routing kernel: M block
+    b of the GEMMs is pair b of ``topk_ids`` (its expert, one row), the combine reads row ``b * tile_m``. Every
+    pair reads its expert's weights alone, so it is meant for one token; it serves ``T * top_k <= num_experts``
+    (the workspace's rows; ``pair_blocks_max_tokens``), checked before each launch (a candidate of session 27,
+    not yet run on a GPU).
+
     ``fc2_early_weights`` (default on; it applies with ``cluster_m=1``, and has no effect with clusters):
     FC2 issues its first tile's weight loads before it waits for FC1 (its CTAs that start beside FC1's
     tail stream weights then), and FC1 lets FC2 launch only after its own wait for the routing has
@@ -74,6 +80,7 @@ class Bf16Knobs:
     decode_stages: int = 4
     decode_k_warps: int | None = None
     decode_bulk: bool = False
+    pair_blocks: bool = False
 
 
 def widest_tile(n: int, widest: int = 256) -> int:
@@ -142,6 +149,12 @@ class Bf16Frontend(KernelFrontend):
             )
         if k.decode_stages < 2:
             raise ValueError(f"decode_stages must be 2 or more, got {k.decode_stages}")
+        if k.pair_blocks and not (k.gather_in_fc1 and k.cluster_m == 1):
+            raise ValueError("pair_blocks needs gather_in_fc1=True and cluster_m=1")
+        if k.pair_blocks and self.pair_blocks_max_tokens < 1:
+            raise ValueError(
+                f"pair_blocks takes T * top_k <= num_experts; top_k={self.geometry.top_k} > {self.geometry.num_experts}"
+            )
         if k.decode_bulk and not k.fc1_tiled:
             raise ValueError("decode_bulk copies whole rows of w13's tiled layout: it needs fc1_tiled=True")
         smem = kh.decode_shared_bytes(k.decode_warps, k.decode_stages, self.geometry.top_k, k.decode_bulk)
@@ -154,6 +167,11 @@ class Bf16Frontend(KernelFrontend):
             raise ValueError(
                 f"decode_fused takes T * top_k <= {kh.constants.DECODE_MAX_PAIRS}; top_k={self.geometry.top_k}"
             )
+
+    @property
+    def pair_blocks_max_tokens(self) -> int:
+        """The most tokens a ``pair_blocks`` launch takes (``T * top_k <= num_experts``: the workspace's rows)."""
+        return self.geometry.num_experts // self.geometry.top_k
 
     @property
     def decode_max_tokens(self) -> int:
@@ -176,6 +194,7 @@ class Bf16Frontend(KernelFrontend):
             decode_stages=k.decode_stages,
             decode_k_warps=k.decode_k_warps,
             decode_bulk=k.decode_bulk,
+            pair_blocks=k.pair_blocks,
         )
         return kh.export_moe_bf16(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)
 
@@ -213,6 +232,11 @@ class Bf16Frontend(KernelFrontend):
         """Enqueue the whole layer on the current torch stream (no host sync)."""
         if self.knobs.decode_fused:
             self._check_decode_launch(x)
+        elif self.knobs.pair_blocks and x.shape[0] > self.pair_blocks_max_tokens:
+            raise ValueError(
+                f"pair_blocks serves at most {self.pair_blocks_max_tokens} tokens per launch (T * top_k <= "
+                f"num_experts), got T={x.shape[0]}: use a knob set without it for this token count"
+            )
         self.check_workspace_tokens(x.shape[0], workspace)
         fn = self.load()
         fn(x, topk_ids, topk_weights, w13, w2, out, *workspace.values())

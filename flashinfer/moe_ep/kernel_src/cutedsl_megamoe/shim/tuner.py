@@ -132,6 +132,8 @@ BF16_KNOBS: tuple[KnobSpec, ...] = (
              why="warps per FC1 unit of the fused decode kernel (None: all of the CTA's)"),
     KnobSpec("decode_bulk", PERFORMANCE, (False, True), None,
              why="FC1 weight rows of the fused decode kernel by bulk copies (needs fc1_tiled)"),
+    KnobSpec("pair_blocks", PERFORMANCE, (False, True), None,
+             why="the chain without a routing kernel, one M block per pair (T * top_k <= num_experts)"),
     # None = as many stages as shared memory allows; an explicit depth can overflow shared memory,
     # which only the compiler detects, so candidates keep None and explicit depths are for hand tuning.
     KnobSpec("fc1_stages", PERFORMANCE, _STAGES, None, why="FC1 TMA pipeline depth"),

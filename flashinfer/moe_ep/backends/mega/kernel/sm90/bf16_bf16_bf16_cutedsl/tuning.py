@@ -123,6 +123,12 @@ def layer_profiles(
                 f"{geometry.top_k}, but token bucket {b.name!r} reaches T={reach}: give it other knobs or a "
                 "smaller token capacity"
             )
+        if knobs.pair_blocks and not knobs.decode_fused and reach > by_knobs[knobs].pair_blocks_max_tokens:
+            raise MoEEpConfigError(
+                f"{config.kernel_name}: pair_blocks serves at most {by_knobs[knobs].pair_blocks_max_tokens} tokens "
+                f"per launch (T * top_k <= num_experts), but token bucket {b.name!r} reaches T={reach}: give it "
+                "other knobs or a smaller token capacity"
+            )
         frontends[b.name], sources[b.name] = by_knobs[knobs], source
     return Profiles(buckets, {b.name: frontends[b.name] for b in buckets}, sources)
 
