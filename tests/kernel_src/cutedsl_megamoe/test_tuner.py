@@ -224,7 +224,7 @@ def test_a_fused_decode_launch_past_its_pair_limit_raises_before_anything_runs()
     x = torch.zeros(fe.decode_max_tokens + 1, 256, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="decode_fused serves at most 64 tokens"):
         fe.launch(x, None, None, None, None, None, {})
-    fe._check_decode_launch(x[:64])  # within the limit (a CPU tensor: no SM count to check)
+    fe._check_launch(x[:64])  # within the limit (a CPU tensor: no SM count to check)
 
 
 def test_resolve_takes_an_exact_cache_hit_else_the_defaults(tmp_path: Path) -> None:

@@ -169,6 +169,17 @@ class Bf16Frontend(KernelFrontend):
             )
 
     @property
+    def launch_token_limit(self) -> tuple[int, str, str] | None:
+        """(the most tokens one launch of this knob set takes, the knob that sets it, its rule), or None (any
+        T): ``decode_fused``'s pair limit, else ``pair_blocks``' workspace rows. ``launch`` and the layer's
+        token buckets check T against it."""
+        if self.knobs.decode_fused:
+            return self.decode_max_tokens, "decode_fused", f"T * top_k <= {kh.constants.DECODE_MAX_PAIRS}"
+        if self.knobs.pair_blocks:
+            return self.pair_blocks_max_tokens, "pair_blocks", "T * top_k <= num_experts"
+        return None
+
+    @property
     def pair_blocks_max_tokens(self) -> int:
         """The most tokens a ``pair_blocks`` launch takes (``T * top_k <= num_experts``: the workspace's rows)."""
         return self.geometry.num_experts // self.geometry.top_k
@@ -230,27 +241,23 @@ class Bf16Frontend(KernelFrontend):
         workspace: dict[str, torch.Tensor],
     ) -> torch.Tensor:
         """Enqueue the whole layer on the current torch stream (no host sync)."""
-        if self.knobs.decode_fused:
-            self._check_decode_launch(x)
-        elif self.knobs.pair_blocks and x.shape[0] > self.pair_blocks_max_tokens:
-            raise ValueError(
-                f"pair_blocks serves at most {self.pair_blocks_max_tokens} tokens per launch (T * top_k <= "
-                f"num_experts), got T={x.shape[0]}: use a knob set without it for this token count"
-            )
+        self._check_launch(x)
         self.check_workspace_tokens(x.shape[0], workspace)
         fn = self.load()
         fn(x, topk_ids, topk_weights, w13, w2, out, *workspace.values())
         return out
 
-    def _check_decode_launch(self, x: torch.Tensor) -> None:
-        """``decode_fused``: T within its pair limit, and its grid co-resident (a grid barrier)."""
-        t = x.shape[0]
-        if t > self.decode_max_tokens:
+    def _check_launch(self, x: torch.Tensor) -> None:
+        """T within the knob set's per-launch limit (``launch_token_limit``); ``decode_fused``: its grid
+        co-resident (a grid barrier)."""
+        limit = self.launch_token_limit
+        if limit is not None and x.shape[0] > limit[0]:
+            most, knob, rule = limit
             raise ValueError(
-                f"decode_fused serves at most {self.decode_max_tokens} tokens per launch (T * top_k <= "
-                f"{kh.constants.DECODE_MAX_PAIRS}), got T={t}: use a knob set without it for this token count"
+                f"{knob} serves at most {most} tokens per launch ({rule}), got T={x.shape[0]}: use a knob set "
+                "without it for this token count"
             )
-        if x.is_cuda and self._decode_sms_checked != x.device:
+        if self.knobs.decode_fused and x.is_cuda and self._decode_sms_checked != x.device:
             sms = torch.cuda.get_device_properties(x.device).multi_processor_count
             if self.knobs.num_sms > sms:
                 raise ValueError(
