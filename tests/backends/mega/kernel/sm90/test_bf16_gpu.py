@@ -207,7 +207,7 @@ def test_pair_blocks(variant: str, routing: str) -> None:
     assert all(fe.knobs.pair_blocks for fe, _ in layer._backend._by_bucket.values())
     cap = capacity(variant)
     for i, t in enumerate(sorted({0, 1, 2, cap // 2, cap})):
-        inp = _inputs(cfg, t, routing, seed=zlib.crc32(f"{variant}/{routing}/{i}".encode()))
+        inp = fresh_inputs(cfg, t, routing, seed=zlib.crc32(f"{variant}/{routing}/{i}".encode()))
         if t == 0:
             assert layer.forward(inp).shape == (0, cfg.hidden_size)
             continue
@@ -215,7 +215,7 @@ def test_pair_blocks(variant: str, routing: str) -> None:
     if routing == "uniform":
         assert _replay_equals_eager(layer, cfg, _capture(layer, cfg, 1, seed=3), seed=4)
         fe, ws = layer._backend._by_bucket["decode"]
-        inp = _inputs(cfg, cap + 1, "uniform", seed=5)
+        inp = fresh_inputs(cfg, cap + 1, "uniform", seed=5)
         out = torch.full((cap + 1, cfg.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
         with pytest.raises(ValueError, match="pair_blocks serves at most"):
             fe.launch(inp.hidden_states, inp.topk_ids, inp.topk_weights, layer._backend.w13, layer._backend.w2, out,
