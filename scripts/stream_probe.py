@@ -78,6 +78,13 @@ def build(out: Path) -> None:
             read_only_args=[addr],
         )
 
+    def bulk_g2s(dst, src, size: int, mbar) -> None:
+        cute.arch.inline_ptx(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+            f"[{{$r0}}], [{{$r1}}], {size}, [{{$r2}}];",
+            read_only_args=[dst, src, mbar],
+        )
+
     class StreamRead:
         def __init__(self, method, pattern, warps, depth, chunk, pdl):
             self.method, self.pattern, self.warps, self.depth, self.chunk, self.pdl = (
@@ -197,10 +204,10 @@ def build(out: Path) -> None:
             """Lane 0: step ``i``'s bytes into the stage at ``dst``, completing on ``bar``."""
             cute.arch.mbarrier_arrive_and_expect_tx(bar, self.chunk)
             if cutlass.const_expr(self.pattern == "contig"):
-                wr.bulk_copy_g2s(dst, base + self.piece(i, 0, cta, warp), self.chunk, bq.smem_addr(bar))
+                bulk_g2s(dst, base + self.piece(i, 0, cta, warp), self.chunk, bq.smem_addr(bar))
             else:
                 for h in range(2):  # the gate rows' and the up rows' 1 KB
-                    wr.bulk_copy_g2s(dst + h * 1024, base + self.piece(i, 2 * h, cta, warp), 1024, bq.smem_addr(bar))
+                    bulk_g2s(dst + h * 1024, base + self.piece(i, 2 * h, cta, warp), 1024, bq.smem_addr(bar))
 
     out.mkdir(parents=True, exist_ok=True)
     for name, method, pattern, warps, depth, chunk, pdl in VARIANTS:

@@ -208,10 +208,6 @@ def test_decode_fused_knobs_are_validated_and_off_by_default() -> None:
     assert "decode_k_warps=3 is not in" in tuner.is_valid(g, drop.Bf16Knobs(decode_k_warps=3))[1]
     too_many = drop.Bf16Knobs(decode_fused=True, decode_warps=8, decode_k_warps=16)
     assert "at most decode_warps=8" in tuner.is_valid(g, too_many)[1]
-    # bulk FC1 copies take whole rows of the tiled layout
-    assert not ok.decode_bulk
-    assert tuner.is_valid(g, drop.Bf16Knobs(decode_fused=True, decode_bulk=True))[0]
-    assert "needs fc1_tiled=True" in tuner.is_valid(g, drop.Bf16Knobs(decode_bulk=True, fc1_tiled=False))[1]
     # autotune times it in the single bucket only, against the chain's default
     fused = [k for k in tuner.candidates(g, 1) if k.decode_fused]
     assert fused == [dataclasses.replace(tuner.default_knobs(g, 1), decode_fused=True)]

@@ -48,8 +48,7 @@ class Bf16Knobs:
     contracts (0.96-1.06x), takes 1.1-1.2x its time at T = 16, and eager calls back to back were even or faster
     in three runs (one launch instead of four: qwen3-30b-a3b T = 1 31-34 against 32-42 us per layer; a lone,
     host-bound call either way); autotune times it in the ``single`` bucket (``tuner.candidates``) and keeps it
-    where it wins. ``decode_bulk`` (needs ``fc1_tiled``): its FC1 weight rows by bulk copies instead of every
-    lane's ``cp.async`` (a candidate of session 27, not yet run on a GPU).
+    where it wins.
 
     ``pair_blocks`` (needs ``gather_in_fc1`` and ``cluster_m=1``): the chain without its routing kernel: M block
     b of the GEMMs is pair b of ``topk_ids`` (its expert, one row), the combine reads row ``b * tile_m``. Every
@@ -79,7 +78,6 @@ class Bf16Knobs:
     decode_warps: int = 16
     decode_stages: int = 4
     decode_k_warps: int | None = None
-    decode_bulk: bool = False
     pair_blocks: bool = False
 
 
@@ -155,9 +153,7 @@ class Bf16Frontend(KernelFrontend):
             raise ValueError(
                 f"pair_blocks takes T * top_k <= num_experts; top_k={self.geometry.top_k} > {self.geometry.num_experts}"
             )
-        if k.decode_bulk and not k.fc1_tiled:
-            raise ValueError("decode_bulk copies whole rows of w13's tiled layout: it needs fc1_tiled=True")
-        smem = kh.decode_shared_bytes(k.decode_warps, k.decode_stages, self.geometry.top_k, k.decode_bulk)
+        smem = kh.decode_shared_bytes(k.decode_warps, k.decode_stages, self.geometry.top_k)
         if smem > kh.SM90_SMEM_BYTES:
             raise ValueError(
                 f"decode_warps={k.decode_warps} with decode_stages={k.decode_stages} needs {smem} bytes of shared "
@@ -204,7 +200,6 @@ class Bf16Frontend(KernelFrontend):
             decode_warps=k.decode_warps,
             decode_stages=k.decode_stages,
             decode_k_warps=k.decode_k_warps,
-            decode_bulk=k.decode_bulk,
             pair_blocks=k.pair_blocks,
         )
         return kh.export_moe_bf16(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)

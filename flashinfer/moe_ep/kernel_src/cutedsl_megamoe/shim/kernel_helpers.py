@@ -106,7 +106,6 @@ SRC_SYMBOLS: dict[str, SrcSymbol] = {
             "decode_warps",
             "decode_stages",
             "decode_k_warps",
-            "decode_bulk",
             "pair_blocks",
         ),
         call_params=BF16_KERNEL_CALL,

@@ -130,8 +130,6 @@ BF16_KNOBS: tuple[KnobSpec, ...] = (
     KnobSpec("decode_stages", PERFORMANCE, range(2, 9), None, why="ring depth per warp of the fused decode kernel"),
     KnobSpec("decode_k_warps", PERFORMANCE, (None, 1, 2, 4, 8, 16), None,
              why="warps per FC1 unit of the fused decode kernel (None: all of the CTA's)"),
-    KnobSpec("decode_bulk", PERFORMANCE, (False, True), None,
-             why="FC1 weight rows of the fused decode kernel by bulk copies (needs fc1_tiled)"),
     KnobSpec("pair_blocks", PERFORMANCE, (False, True), None,
              why="the chain without a routing kernel, one M block per pair (T * top_k <= num_experts)"),
     # None = as many stages as shared memory allows; an explicit depth can overflow shared memory,

@@ -94,24 +94,6 @@ def test_decode_fused_is_one_kernel_with_a_grid_barrier_and_no_spills(tmp_path: 
 
 
 @pytest.mark.skipif(kernel_resources.find_cuobjdump() is None, reason="needs cuobjdump (pip install .[test])")
-@pytest.mark.parametrize("contract", ["qwen3-30b-a3b", "nemotron-relu2"])
-def test_decode_bulk_copies_fc1_rows_with_the_bulk_engine(tmp_path: Path, contract: str) -> None:
-    """``decode_bulk`` (session 27 candidate): FC1's weight rows come by ``cp.async.bulk`` (gated: the gate
-    and the up rows of a step, two copies; else one), completing on an mbarrier per ring stage; the tokens
-    and FC2 still by ``cp.async``; no spill. Without it no bulk copy is issued."""
-    lib = _frontend(contract, tile_m=64, decode_fused=True, decode_bulk=True).build(tmp_path / "bulk")
-    code = next(iter(kernel_resources.kernel_sass(lib).values()))
-    bulk = sum("UBLKCP.S.G" in line for line in code)
-    gated = CONTRACTS[contract].activation != "relu2"
-    assert bulk >= 2 and (bulk % 2 == 0 or not gated), bulk
-    assert any("SYNCS.ARRIVE.TRANS64" in line for line in code) and any("TRYWAIT" in line for line in code)
-    assert any("LDGSTS" in line for line in code)
-    assert all(r.spill_bytes == 0 for r in kernel_resources.kernel_resources(lib))
-    plain = _frontend(contract, tile_m=64, decode_fused=True).build(tmp_path / "plain")
-    assert not any("UBLKCP" in line for line in next(iter(kernel_resources.kernel_sass(plain).values())))
-
-
-@pytest.mark.skipif(kernel_resources.find_cuobjdump() is None, reason="needs cuobjdump (pip install .[test])")
 def test_pair_blocks_drops_the_routing_kernels(tmp_path: Path) -> None:
     """``pair_blocks`` (session 27 candidate): the library holds FC1, FC2 and the combine only (no routing or
     row-map kernel), no spill; the GEMMs read ``topk_ids`` instead of a block map."""

@@ -82,16 +82,6 @@ GPU_VARIANTS = [
                                              "decode_stages": 3})),
     ("qwen3-30b-a3b-fused", moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
         2048, 768, 128, 8, "swiglu", knobs={"tile_m": 64, "fc2_tile_n": 128, "decode_fused": True})),
-    # decode_bulk (FC1's weight rows by bulk copies): gated and not, FC1 units over 16 warps (a warp's steps
-    # past H: 4 K steps over 16 warps) and over 4 warps with 3-stage rings, a real contract
-    ("small-swiglu-fused-bulk", moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
-        **SMALL, knobs={"tile_m": 64, "decode_fused": True, "decode_bulk": True})),
-    ("small-relu2-fused-bulk-k4s3", moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
-        **SMALL, activation="relu2", knobs={"tile_m": 64, "decode_fused": True, "decode_bulk": True,
-                                             "decode_k_warps": 4, "decode_stages": 3})),
-    ("qwen3-30b-a3b-fused-bulk", moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
-        2048, 768, 128, 8, "swiglu", knobs={"tile_m": 64, "fc2_tile_n": 128, "decode_fused": True,
-                                             "decode_bulk": True})),
 ] + [
     # pair_blocks (the chain without a routing kernel, one M block per pair): 64-row tiles, 128-row tiles (the
     # second warpgroup's rows all padding) with relu2, and the single bucket's knobs of qwen3-30b-a3b

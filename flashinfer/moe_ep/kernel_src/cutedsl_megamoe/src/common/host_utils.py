@@ -79,17 +79,15 @@ def gemv_shared_bytes(fmt: str, tok_tile: int, k_warps: int, stages: int) -> int
     return k_warps * stages * stage + k_warps * 16 * groups * 32 * 4
 
 
-def decode_shared_bytes(warps: int, stages: int, top_k: int, bulk: bool = False) -> int:
+def decode_shared_bytes(warps: int, stages: int, top_k: int) -> int:
     """Shared memory of a ``moe_bf16_glu.decode`` CTA: each warp's ``stages``-deep ring (per stage 16
     weight rows of 128 bytes and 32 bytes of one token column per lane), the routing tables (five words
     per pair, eight pair slots per group), FC1's K parts (four accumulators a lane) and FC2's partial
-    sums (16 rows per pair and part of I: ``top_k * (warps // min(top_k, warps))`` of them); with ``bulk``
-    an 8-byte mbarrier per stage and warp."""
+    sums (16 rows per pair and part of I: ``top_k * (warps // min(top_k, warps))`` of them)."""
     ring = warps * stages * constants.DECODE_STAGE_BYTES
     routing = (5 + constants.DECODE_GROUP_PAIRS) * constants.DECODE_MAX_PAIRS * 4
     fc1_parts = warps * 4 * 32 * 4  # a lane's four accumulators per warp
-    barriers = warps * stages * 8 if bulk else 0
-    return ring + routing + fc1_parts + top_k * (warps // min(top_k, warps)) * 16 * 4 + barriers
+    return ring + routing + fc1_parts + top_k * (warps // min(top_k, warps)) * 16 * 4
 
 
 def swap_tile_plan(rows: int, gated: bool, tok_tile: int, max_wg: int = 2, max_atoms: int = 4) -> tuple[int, int]:

@@ -41,13 +41,6 @@ same bytes, only the pair's h column (lanes 0-3), so more of them fit, and the w
 with weight rows before the grid barrier (they do not depend on FC1): a CTA that finishes FC1 early
 streams FC2's weights while the others finish theirs.
 
-``bulk`` (a candidate of session 27, not yet run on a GPU): FC1's 16 weight rows of a step come by lane 0's
-bulk copies instead (``cp.async.bulk``: in w13's tiled layout the gate rows of the unit's 8 features are
-1 KB in a row and so are their up rows), landing unswizzled and completing on an mbarrier per stage, which
-every lane waits on; the token columns and FC2 stay on ``cp.async``. A warp's steps past its own work issue
-no copy and skip the wait and the MMAs. The question it answers: whether the bulk engine streams the
-weights faster than 16-byte copies from every lane (``scripts/stream_probe.py`` times both on pure reads).
-
 T is symbolic; the host must keep ``T * top_k <= DECODE_MAX_PAIRS`` (past it the kernel returns
 without writing ``out``). Weight bytes are read once per group (FC1) and once per token (FC2): meant
 for a few tokens (the ``single`` token bucket).
@@ -63,7 +56,6 @@ from ..src import activations
 from ..src import block_quant as bq
 from ..src.warp_ring import (
     bf16_round,
-    bulk_copy_g2s,
     cp_async,
     cp_async_commit,
     cp_async_wait,
@@ -118,7 +110,6 @@ class FusedDecodeSm90:
         warps: int = 16,
         stages: int = 4,
         k_warps: int | None = None,
-        bulk: bool = False,
     ) -> None:
         if warps not in DECODE_WARPS:
             raise ValueError(f"the fused decode kernel takes {DECODE_WARPS} warps per CTA, got {warps}")
@@ -131,9 +122,6 @@ class FusedDecodeSm90:
                 f"FC1 units take {constants.DECODE_K_WARPS} warps each, at most the CTA's {warps}; "
                 f"got k_warps={k_warps}"
             )
-        if bulk and not fc1_tiled:
-            raise ValueError("the fused decode kernel's bulk FC1 copies need w13's tiled layout (fc1_tiled)")
-        self.bulk = bulk
         self.activation = activation
         self.gated = activation in constants.GATED_ACTIVATIONS
         self.limit = limit
@@ -146,7 +134,7 @@ class FusedDecodeSm90:
 
     def launch(self, x, topk_ids, topk_weights, w13, w2, out, h_buf, meta, stream, use_pdl: bool) -> None:
         """Trace-time: one launch of ``num_sms`` CTAs (w13 as prepared: [E, N1, H] or tiled 5-D)."""
-        smem = decode_shared_bytes(self.warps, self.stages, topk_ids.shape[1], self.bulk)
+        smem = decode_shared_bytes(self.warps, self.stages, topk_ids.shape[1])
         if smem > SM90_SMEM_BYTES:
             raise ValueError(f"{self.warps} warps with {self.stages}-stage rings need {smem} bytes of shared memory")
         self.kernel(x, topk_ids, topk_weights, w13, w2, out, h_buf, meta).launch(
@@ -197,15 +185,6 @@ class FusedDecodeSm90:
         s_part = smem.allocate_tensor(Float32, part_layout, 16)
         ring = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(W * S * STAGE_BYTES), 128)
         ring_base = bq.smem_addr(ring.iterator) + warp * (S * STAGE_BYTES)
-        bars = None
-        if cutlass.const_expr(self.bulk):  # one mbarrier per stage of the warp's ring: FC1's weight rows landed
-            mbar = smem.allocate_tensor(Int64, cute.make_layout(W * S), 8)
-            bars = mbar.iterator + warp * S
-            if lane == 0:
-                for j in cutlass.range_constexpr(S):
-                    cute.arch.mbarrier_init(bars + j, 1)
-            cute.arch.mbarrier_init_fence()
-            cute.arch.sync_warp()
 
         cute.arch.griddepcontrol_launch_dependents()
         cute.arch.griddepcontrol_wait()  # x and topk_ids come from the kernels before
@@ -284,27 +263,16 @@ class FusedDecodeSm90:
             steps1 = (cutlass.max(units - cta + gsn - 1, 0) // gsn) * spu  # slot 0's: the same in every warp
             for j in cutlass.range_constexpr(S - 1):
                 self._fc1_copy(ring_base + j * STAGE_BYTES, j, j < steps1, gs, gsn, spu, part, my_units, nk1, upg,
-                               hidden, s_gexp, s_gcnt, s_gpair, mX, mW13, top_k, n1, lane,
-                               self._bar(bars, j))  # fmt: skip
+                               hidden, s_gexp, s_gcnt, s_gpair, mX, mW13, top_k, n1, lane)  # fmt: skip
                 cp_async_commit()
-            phases = Int32(0)  # bulk: bit j = the parity stage j's next fill completes
             for i in cutlass.range(steps1, unroll=1):
                 nxt = i + S - 1
                 self._fc1_copy(ring_base + (nxt % S) * STAGE_BYTES, nxt, nxt < steps1, gs, gsn, spu, part, my_units,
-                               nk1, upg, hidden, s_gexp, s_gcnt, s_gpair, mX, mW13, top_k, n1, lane,
-                               self._bar(bars, nxt % S))  # fmt: skip
+                               nk1, upg, hidden, s_gexp, s_gcnt, s_gpair, mX, mW13, top_k, n1, lane)  # fmt: skip
                 cp_async_commit()
                 cp_async_wait(S - 1)
-                if cutlass.const_expr(self.bulk):
-                    # steps past the warp's work copied no weights: no wait, no MMA (the others add zeros)
-                    if self._fc1_live(i, spu, part, my_units, nk1):
-                        slot_i = i % S
-                        cute.arch.mbarrier_wait(bars + slot_i, (phases >> slot_i) & 1)
-                        phases = phases ^ (Int32(1) << slot_i)
-                        self._mma_step(acc, ring_base + slot_i * STAGE_BYTES, lane, linear=True)
-                else:
-                    cute.arch.sync_warp()  # the stage's rows were copied by the warp's lanes
-                    self._mma_step(acc, ring_base + (i % S) * STAGE_BYTES, lane)
+                cute.arch.sync_warp()  # the stage's rows were copied by the warp's lanes
+                self._mma_step(acc, ring_base + (i % S) * STAGE_BYTES, lane)
                 cute.arch.sync_warp()  # every lane's reads are done before the stage is refilled
                 m = i // spu
                 if i - m * spu == spu - 1:  # the unit's last step: K parts summed in order, activation, h rows
@@ -441,69 +409,36 @@ class FusedDecodeSm90:
             ) * STEP_K
         return (Int64(e) * n1 + row) * hidden + kstep * STEP_K
 
-    @staticmethod
-    def _bar(bars, j):
-        """Stage ``j``'s mbarrier (None without bulk copies)."""
-        return None if bars is None else bars + j
-
-    @staticmethod
-    def _fc1_live(s, spu, part, my_units, nk1):
-        """Whether ring step ``s`` of a warp's FC1 units is work of its own (not past its units or K)."""
-        m = s // spu
-        u = part * spu + (s - m * spu)
-        return (m < my_units) & (u < nk1)
-
     def _fc1_copy(self, stage, s, pred, gs, gsn, spu, part, my_units, nk1, upg, hidden, s_gexp, s_gcnt, s_gpair, mX,
-                  mW13, top_k, n1, lane, bar):  # fmt: skip
+                  mW13, top_k, n1, lane):  # fmt: skip
         """Ring step ``s`` of this warp's FC1 units: its 16 weight rows (rows 0-7 the gate rows of the unit's
-        8 features and 8-15 their up rows, or 16 consecutive rows; four copies of 4 rows x 128 bytes, or with
-        ``bulk`` lane 0's one or two bulk copies of whole rows completing on ``bar``), and its token columns
-        (each lane its own 32 bytes)."""
+        8 features and 8-15 their up rows, or 16 consecutive rows; four copies of 4 rows x 128 bytes), and
+        its token columns (each lane its own 32 bytes)."""
         i = lane >> 2
         q = lane & 3
         m = s // spu
         u = part * spu + (s - m * spu)
-        pred = pred & (m < my_units) & (u < nk1)  # as ``_fc1_live``
+        pred = pred & (m < my_units) & (u < nk1)
         unit = gs + m * gsn
         g = cutlass.min(unit // upg, DECODE_MAX_PAIRS - 1)  # clamped: past the end nothing is copied
         a = unit - (unit // upg) * upg
         e = s_gexp[g]
         cnt = s_gcnt[g]
         w_base = mW13.iterator.toint()
-        if cutlass.const_expr(self.bulk):
-            self._fc1_bulk(stage, pred, w_base, e, a, u, n1, hidden, lane, bar)
-        else:
-            for c in range(4):  # copy c: rows 4c .. 4c + 3, 8 lanes x 16 bytes each (whole 32-byte sectors)
-                r = 4 * c + (lane >> 3)
-                if cutlass.const_expr(self.gated):
-                    row = self._fc1_row(a * 8 + (r & 7), c >= 2)
-                else:
-                    row = a * ATOM_ROWS + r
-                src = w_base + self._w13_offset(e, row, u, n1, hidden) * 2 + (lane & 7) * 16
-                cp_async(stage + _row_slot(r, lane & 7), src, 16, pred)
+        for c in range(4):  # copy c: rows 4c .. 4c + 3, 8 lanes x 16 bytes each (whole 32-byte sectors)
+            r = 4 * c + (lane >> 3)
+            if cutlass.const_expr(self.gated):
+                row = self._fc1_row(a * 8 + (r & 7), c >= 2)
+            else:
+                row = a * ATOM_ROWS + r
+            src = w_base + self._w13_offset(e, row, u, n1, hidden) * 2 + (lane & 7) * 16
+            cp_async(stage + _row_slot(r, lane & 7), src, 16, pred)
         real = pred & (i < cnt)
         p = s_gpair[g * GROUP_PAIRS + i]
         tok = cutlass.select_(real, p // top_k, Int32(0))
         src_x = mX.iterator.toint() + (Int64(tok) * hidden + u * STEP_K + 16 * q) * 2
         for c in range(2):
             cp_async(stage + _TOKENS_AT + c * 512 + lane * 16, src_x + c * 16, 16, real)
-
-    @cute.jit
-    def _fc1_bulk(self, stage, pred, w_base, e, a, u, n1, hidden, lane, bar) -> None:
-        """Lane 0: the unit's 16 weight rows of K step ``u`` by bulk copies completing on ``bar``. In w13's tiled
-        layout the 8 gate rows of the unit's features are 1 KB in a row, and so are their 8 up rows (16
-        consecutive rows: 2 KB); they land as they lie (no swizzle: ``_mma_step(linear=True)``)."""
-        if lane == 0:
-            if pred:
-                cute.arch.mbarrier_arrive_and_expect_tx(bar, ATOM_ROWS * 128)
-                if cutlass.const_expr(self.gated):
-                    for h in cutlass.range_constexpr(2):
-                        row = self._fc1_row(a * 8, h == 1)
-                        src = w_base + self._w13_offset(e, row, u, n1, hidden) * 2
-                        bulk_copy_g2s(stage + h * 1024, src, 1024, bq.smem_addr(bar))
-                else:
-                    src = w_base + self._w13_offset(e, a * ATOM_ROWS, u, n1, hidden) * 2
-                    bulk_copy_g2s(stage, src, ATOM_ROWS * 128, bq.smem_addr(bar))
 
     def _fc1_store(self, acc, v0: int, mH, p, a, inter, lane) -> None:
         """Token column ``2 q + v0`` of the unit: activation, bf16 h at row ``p`` (the pair)."""
@@ -570,25 +505,16 @@ class FusedDecodeSm90:
             for c in range(2):
                 cp_async(stage + _TOKENS_AT + c * 64 + lane * 16, src + c * 16, 16, real)
 
-    def _mma_step(self, acc, stage, lane, fc2: bool = False, linear: bool = False) -> None:
+    def _mma_step(self, acc, stage, lane, fc2: bool = False) -> None:
         """The four m16n8k16 MMAs of one 64-K ring step (the lane's 32 bytes per row and token column; ``fc2``:
-        column 0 only, from the compact FC2 stage, zeros in the other lanes' columns; ``linear``: the rows as a
-        bulk copy lays them, each chunk at its own slot, read at the swizzled slots all the same (no bank
-        conflicts) and put back in order in registers: an odd row's two chunks come back swapped)."""
+        column 0 only, from the compact FC2 stage, zeros in the other lanes' columns)."""
         i = lane >> 2
         q = lane & 3
-        rows = []
-        for r in (i, i + 8):
-            first = list(bq.ld_shared_v4(stage + _row_slot(r, 2 * q)))
-            second = list(bq.ld_shared_v4(stage + _row_slot(r, 2 * q + 1)))
-            if linear:
-                odd = (i & 1) != 0  # rows i and i + 8 share the parity
-                first, second = (
-                    [cutlass.select_(odd, b, a) for a, b in zip(first, second)],
-                    [cutlass.select_(odd, a, b) for a, b in zip(first, second)],
-                )
-            rows.append([*first, *second])
-        row_lo, row_hi = rows
+        row_lo = [*bq.ld_shared_v4(stage + _row_slot(i, 2 * q)), *bq.ld_shared_v4(stage + _row_slot(i, 2 * q + 1))]
+        row_hi = [
+            *bq.ld_shared_v4(stage + _row_slot(i + 8, 2 * q)),
+            *bq.ld_shared_v4(stage + _row_slot(i + 8, 2 * q + 1)),
+        ]
         if fc2:
             col0 = lane < 4
             tok = [

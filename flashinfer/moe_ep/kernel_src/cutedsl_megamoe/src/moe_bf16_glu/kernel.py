@@ -94,9 +94,6 @@ class Sm90MegaMoEBf16Kernel:
     :param decode_warps, decode_stages, decode_k_warps: the fused kernel's warps per CTA (8, 16), ring depth
         per warp and warps splitting the K steps of one FC1 unit (1, 2, 4, 8, 16, at most ``decode_warps``;
         None: all of the CTA's).
-    :param decode_bulk: the fused kernel's FC1 weight rows by bulk copies (``cp.async.bulk``, lane 0 of a warp,
-        an mbarrier per ring stage) instead of every lane's 16-byte ``cp.async``; needs ``fc1_tiled``. A
-        candidate (session 27): not run on a GPU.
     :param pair_blocks: no routing kernel: M block b is pair b of ``topk_ids`` (its expert, one real row),
         FC1 reads the pair's token row and the combine row ``b * tile_m`` (``GroupedGemmSm90.pair_blocks``).
         Every pair then reads its expert's weights alone, so it is meant for one token; the caller must keep
@@ -137,7 +134,6 @@ class Sm90MegaMoEBf16Kernel:
         decode_warps: int = 16,
         decode_stages: int = 4,
         decode_k_warps: int | None = None,
-        decode_bulk: bool = False,
         pair_blocks: bool = False,
     ) -> None:
         early = fc2_early_weights and cluster_m == 1 and use_pdl
@@ -184,9 +180,10 @@ class Sm90MegaMoEBf16Kernel:
             pair_blocks=pair_blocks,
         )
         # decode_fused: the whole layer is this one kernel (the GEMMs above then only give w13's layout)
-        decode_shape = (decode_warps, decode_stages, decode_k_warps)
         self.decode = (
-            FusedDecodeSm90(activation, limit, num_sms, fc1_tile_n, fc1_tiled, *decode_shape, bulk=decode_bulk)
+            FusedDecodeSm90(
+                activation, limit, num_sms, fc1_tile_n, fc1_tiled, decode_warps, decode_stages, decode_k_warps
+            )
             if decode_fused
             else None
         )

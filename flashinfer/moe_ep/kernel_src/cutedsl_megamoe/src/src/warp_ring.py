@@ -29,16 +29,6 @@ def cp_async(dst: Int32, src: Int64, size: int, pred) -> None:
     )
 
 
-def bulk_copy_g2s(dst: Int32, src: Int64, size: int, mbar: Int32) -> None:
-    """``size`` bytes (a multiple of 16, both addresses 16-byte aligned) global -> shared by the bulk copy
-    engine (``cp.async.bulk``), completing as ``size`` transaction bytes on the mbarrier at ``mbar``
-    (shared addresses)."""
-    cute.arch.inline_ptx(
-        f"cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{{$r0}}], [{{$r1}}], {size}, [{{$r2}}];",
-        read_only_args=[dst, src, mbar],
-    )
-
-
 def cp_async_commit() -> None:
     cute.arch.inline_ptx("cp.async.commit_group;")
 
