@@ -182,6 +182,10 @@ def main() -> int:
                 for i, change in enumerate(changes):
                     text = json.dumps({**serving, **change}, sort_keys=True)
                     if text not in by_knobs:  # calibrated like the others (seed 7); the inputs keep `gen`
+                        print(
+                            f"  {name} T={t}: building k{i + 1} = the bucket's knobs with {json.dumps(change)}",
+                            flush=True,
+                        )  # a fault in its warmup then names it
                         calib = torch.Generator().manual_seed(7)
                         by_knobs[text] = make_bench_layer(c, entry, w13, w2, json.loads(text), cap, calib)[0]
                     at[f"k{i + 1}"] = by_knobs[text]
