@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from flashinfer.moe_ep.kernel_src.cutedsl_megamoe.shim import frontend
-from flashinfer.moe_ep.kernel_src.cutedsl_megamoe.shim.audit import DSL_REGION_NAMES
+from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
 
-pytestmark = pytest.mark.skipif(not frontend.dsl_available(), reason="needs the CuTe DSL (nvidia-cutlass-dsl)")
+pytestmark = pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL (nvidia-cutlass-dsl)")
 
 # x = 5 if n > 3 else 9, stored by lane 0: written with a variable named ``name`` and with another name
 _KERNEL = """
@@ -52,7 +51,7 @@ def _select_reads_the_if_condition(name: str, tmp_path: Path) -> bool:
     return select.group(1) == cond.group(1)
 
 
-@pytest.mark.parametrize("name", DSL_REGION_NAMES)
+@pytest.mark.parametrize("name", drop.DSL_REGION_NAMES)
 def test_the_dsl_still_reads_the_if_condition_for_this_name(name: str, tmp_path: Path) -> None:
     assert _select_reads_the_if_condition(name, tmp_path)  # the hazard: lane == 0 instead of n > 3
     assert not _select_reads_the_if_condition("keep", tmp_path)  # any other name is the variable
