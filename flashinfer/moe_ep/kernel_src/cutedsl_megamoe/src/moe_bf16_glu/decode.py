@@ -13,8 +13,8 @@ Autotune times it in the ``single`` token bucket. The steps:
 
 1. routing, in every CTA from ``topk_ids`` (at most ``DECODE_MAX_PAIRS`` pairs, one thread each): the
    pairs grouped by expert in expert order, at most 8 pairs a group (one MMA's token columns); for one
-   token each pair is its own group, in k order (no grouping: one read and one CTA barrier; candidate of
-   session 27, not yet run on a GPU);
+   token each pair is its own group, in k order (no grouping: one read and one CTA barrier; session 29:
+   outputs bitwise those of the grouping, the layer 1-4 % faster at T = 1);
 2. FC1 as a GEMV: work unit = (group, 16 weight rows), its K steps split over ``k_warps`` warps of a
    CTA (all of them by default; their partial sums meet in shared memory, added in warp order); unit j
    goes to CTA j % G first (every SM streams); gated activations take the gate rows of 8 features and
