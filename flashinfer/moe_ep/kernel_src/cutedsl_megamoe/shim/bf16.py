@@ -53,8 +53,10 @@ class Bf16Knobs:
     ``pair_blocks`` (needs ``gather_in_fc1`` and ``cluster_m=1``): the chain without its routing kernel: M block
     b of the GEMMs is pair b of ``topk_ids`` (its expert, one row), the combine reads row ``b * tile_m``. Every
     pair reads its expert's weights alone, so it is meant for one token; it serves ``T * top_k <= num_experts``
-    (the workspace's rows; ``pair_blocks_max_tokens``), checked before each launch (a candidate of session 27,
-    not yet run on a GPU).
+    (the workspace's rows; ``pair_blocks_max_tokens``), checked before each launch. On in the ``single`` bucket
+    (``tuner.bf16_refine``): session 29 timed it at 0.94 / 0.97 / 0.98x the chain's time at T = 1 (qwen3-30b-a3b
+    / qwen3-235b-a22b / deepseek-v3, one-call graph replays), outputs bitwise equal; at T = 4 it read each
+    shared expert's weights once per pair and took up to 1.11x.
 
     ``fc2_early_weights`` (default on; it applies with ``cluster_m=1``, and has no effect with clusters):
     FC2 issues its first tile's weight loads before it waits for FC1 (its CTAs that start beside FC1's
