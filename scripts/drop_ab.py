@@ -62,12 +62,25 @@ class OtherDropLoader:
         self.other, self.pack, self.loaded = other, pack, []
         self.saved = frontend.KernelFrontend.load
 
+    def identity(self, fe: Any) -> str:
+        """``fe``'s variant as the other drop names it: a knob the other drop does not have (added since)
+        is left out when it is at its default, which is the other drop's behaviour; at another value the
+        other drop has no such variant."""
+        key = fe.key.as_dict()
+        theirs = {name for ident in self.other for name in json.loads(ident)["knobs"]}
+        defaults = (
+            {f.name: f.default for f in dataclasses.fields(fe.knobs)} if dataclasses.is_dataclass(fe.knobs) else {}
+        )
+        new = [k for k in key["knobs"] if theirs and k not in theirs and key["knobs"][k] == defaults.get(k)]
+        key["knobs"] = {k: v for k, v in key["knobs"].items() if k not in new}
+        return kernel_cache.variant_identity(key)
+
     def __enter__(self) -> OtherDropLoader:
         loader = self
 
         def load(fe: Any, root: Path | None = None, *, allow_compile: bool = True) -> Any:
             if fe._fn is None:
-                ident = kernel_cache.variant_identity(fe.key.as_dict())
+                ident = loader.identity(fe)
                 if ident not in loader.other:
                     raise SystemExit(f"--other has no library for {ident}: build it from the other checkout")
                 lib, fn = loader.other[ident]
@@ -169,6 +182,10 @@ def main() -> int:
                 for i, change in enumerate(changes):
                     text = json.dumps({**serving, **change}, sort_keys=True)
                     if text not in by_knobs:  # calibrated like the others (seed 7); the inputs keep `gen`
+                        print(
+                            f"  {name} T={t}: building k{i + 1} = the bucket's knobs with {json.dumps(change)}",
+                            flush=True,
+                        )  # a fault in its warmup then names it
                         calib = torch.Generator().manual_seed(7)
                         by_knobs[text] = make_bench_layer(c, entry, w13, w2, json.loads(text), cap, calib)[0]
                     at[f"k{i + 1}"] = by_knobs[text]

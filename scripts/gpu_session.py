@@ -105,7 +105,7 @@ def build_bf16(cache: Path, tune_contracts: bool, bench_only: bool = False) -> N
     import flashinfer.moe_ep as moe
     from flashinfer.moe_ep.backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl import tuning
     from flashinfer.moe_ep.core.contracts import get_contract
-    from tests.backends.mega.kernel.sm90.test_bf16_gpu import DECODE_MAX_T, GPU_VARIANTS, MAX_T
+    from tests.backends.mega.kernel.sm90.test_bf16_gpu import GPU_VARIANTS, capacity
 
     tests = [] if bench_only else list(GPU_VARIANTS)
     variants = list(tests)
@@ -115,7 +115,7 @@ def build_bf16(cache: Path, tune_contracts: bool, bench_only: bool = False) -> N
             c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit)))  # fmt: skip
     context = tuning.tune_context_named("NVIDIA H200")
     for i, (name, cfg) in enumerate(variants, 1):
-        cap = (DECODE_MAX_T if "fused" in name else MAX_T) if i <= len(tests) else BENCH_MAX_TOKENS
+        cap = capacity(name) if i <= len(tests) else BENCH_MAX_TOKENS
         for fe in tuning.layer_profiles(cfg, cfg.num_experts, cap, context).distinct():  # every token bucket
             t0 = time.perf_counter()
             lib = fe.build(cache)

@@ -92,6 +92,39 @@ def test_changed_call_signature_is_reported(tmp_path: Path) -> None:
     assert len(problems) == 1 and "__call__ parameters changed" in str(problems[0])
 
 
+def test_a_read_the_dsl_compiles_as_the_if_condition_is_reported(tmp_path: Path) -> None:
+    """A variable named ``pred`` read inside a dynamic ``if`` of a DSL function is reported with its file and
+    line (the DSL reads the if's condition there); a const_expr ``if``, a plain function and the ``if`` test
+    itself are not."""
+    cand = _candidate(tmp_path)
+    decode = cand / "moe_bf16_glu" / "decode.py"
+    before = decode.read_text()
+    decode.write_text(
+        before
+        + """
+
+@cute.jit
+def _planted(lane, pred, out):
+    if pred:  # the test: read outside the region, fine
+        out[1] = 1
+    if lane == 0:
+        if pred:
+            out[0] = 1
+    if cutlass.const_expr(True):
+        out[2] = pred
+
+
+def _plain(lane, pred):
+    if lane == 0:
+        return pred
+"""
+    )
+    line = before.count("\n") + 8
+    problems = drop.audit_src(cand)
+    assert [p.symbol for p in problems] == [f"moe_bf16_glu/decode.py:{line} (_planted)"], problems
+    assert problems[0].kind == "dsl" and "names the if's condition 'pred'" in str(problems[0])
+
+
 def test_file_edited_in_place_fails_the_manifest(tmp_path: Path) -> None:
     src = tmp_path / "src"
     shutil.copytree(SRC, src, ignore=shutil.ignore_patterns("__pycache__"))

@@ -152,11 +152,24 @@ def test_defaults_are_the_declared_profiles() -> None:
         for t, bucket in ((1, "single"), (2, "decode"), (4096, "prefill")):
             knobs = tuner.default_knobs(g, t)
             assert tuner.is_valid(g, knobs)[0]
-            if knobs != base:  # the bucket's overrides where they divide the problem, then the geometry rule
-                want = tuner.bf16_refine(g, bucket, dataclasses.replace(base, **tuner.BF16_PROFILES[bucket]))
-                assert want == knobs
+            # the bucket's overrides where they divide the problem (else the base defaults), then the rule
+            profile = dataclasses.replace(base, **tuner.BF16_PROFILES[bucket])
+            start = profile if tuner.is_valid(g, tuner.bf16_refine(g, bucket, profile))[0] else base
+            assert knobs == tuner.bf16_refine(g, bucket, start)
         assert tuner.default_knobs(g, 4096).cluster_m == 2
         assert not tuner.default_knobs(g, 2).fc1_split_n  # the split is for one token only
+
+
+def test_the_single_bucket_runs_the_chain_without_its_routing_kernel() -> None:
+    """``pair_blocks`` in ``single`` (one token: its pairs' experts are distinct) wherever it is valid, on every
+    contract; never in a larger bucket (its launch limit T * top_k <= num_experts); not without the gather."""
+    for c in CONTRACTS.values():
+        g = drop.Geometry(c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit)
+        single = tuner.default_knobs(g, 1)
+        assert single.pair_blocks and tuner.is_valid(g, single)[0], c
+        assert not any(tuner.default_knobs(g, t).pair_blocks for t in (2, 128, 4096)), c
+    qwen30 = drop.Geometry(2048, 768, 128, 8, "swiglu", None)
+    assert not tuner.default_knobs(qwen30, 1, pinned={"gather_in_fc1": False}).pair_blocks
 
 
 def test_the_single_bucket_splits_fc1_where_twice_its_ctas_fit_the_grid() -> None:
@@ -210,7 +223,7 @@ def test_decode_fused_knobs_are_validated_and_off_by_default() -> None:
     assert "at most decode_warps=8" in tuner.is_valid(g, too_many)[1]
     # autotune times it in the single bucket only, against the chain's default
     fused = [k for k in tuner.candidates(g, 1) if k.decode_fused]
-    assert fused == [dataclasses.replace(tuner.default_knobs(g, 1), decode_fused=True)]
+    assert fused == [dataclasses.replace(tuner.default_knobs(g, 1), decode_fused=True, pair_blocks=False)]
     assert not any(k.decode_fused for t in (2, 64, 4096) for k in tuner.candidates(g, t))
 
 
@@ -220,7 +233,7 @@ def test_a_fused_decode_launch_past_its_pair_limit_raises_before_anything_runs()
     x = torch.zeros(fe.decode_max_tokens + 1, 256, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="decode_fused serves at most 64 tokens"):
         fe.launch(x, None, None, None, None, None, {})
-    fe._check_decode_launch(x[:64])  # within the limit (a CPU tensor: no SM count to check)
+    fe._check_launch(x[:64])  # within the limit (a CPU tensor: no SM count to check)
 
 
 def test_resolve_takes_an_exact_cache_hit_else_the_defaults(tmp_path: Path) -> None:

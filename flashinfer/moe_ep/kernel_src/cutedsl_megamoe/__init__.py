@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .shim import autotune, comm, frontend, kernel_cache, kernel_helpers, kernel_resources, knob_cache, tuner, vendor
 from .shim._paths import SRC_DIR
-from .shim.audit import audit_src
+from .shim.audit import DSL_REGION_NAMES, audit_src, dsl_hazards
 from .shim.bf16 import Bf16Frontend, Bf16Knobs, default_bf16_knobs
 from .shim.bf16_ep import (
     EP_BUCKET_DEFAULTS,
@@ -65,6 +65,8 @@ __all__ = [
     "Workspace",
     "allocate_shared_workspace",
     "audit_src",
+    "dsl_hazards",
+    "DSL_REGION_NAMES",
     "autotune",
     "KernelUnavailableError",
     "check_manifest",

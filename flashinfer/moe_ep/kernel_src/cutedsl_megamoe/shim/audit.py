@@ -1,9 +1,11 @@
 """Contract audit: import a candidate ``src/`` in isolation (CPU only) and check it against the shim's
 table (``kernel_helpers.SRC_SYMBOLS``). Every missing module or symbol and every changed signature is
-reported together with the shim files that depend on it."""
+reported together with the shim files that depend on it; so is every source line that the CuTe DSL would
+silently compile into something else (``dsl_hazards``)."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import inspect
@@ -24,8 +26,12 @@ class AuditProblem:
     symbol: str
     problem: str
     used_by: tuple[str, ...]
+    #: ``contract``: against ``SRC_SYMBOLS``; ``dsl``: a ``dsl_hazards`` line (``symbol`` is file:line)
+    kind: str = "contract"
 
     def __str__(self) -> str:
+        if self.kind == "dsl":
+            return f"src/{self.symbol}: {self.problem}"
         return (
             f"{self.symbol}: {self.problem} "
             f"(declared in shim/kernel_helpers.py SRC_SYMBOLS[{self.symbol!r}]; used by {', '.join(self.used_by)})"
@@ -99,8 +105,63 @@ def _check_class(name: str, sym: SrcSymbol, obj: object) -> list[AuditProblem]:
     return out
 
 
+#: Names the CuTe DSL's preprocessor gives its own parameters. nvidia-cutlass-dsl 4.8.1 turns a dynamic ``if``
+#: into a function whose first parameter, the condition, is named ``pred`` (renamed only when the body assigns
+#: that name), so a variable ``pred`` read inside the body silently reads the condition instead: an
+#: ``if lane == 0: if pred:`` compiles to ``if lane == 0: if lane == 0:`` (drop v43's decode_bulk lost its
+#: guard this way and read past its weights). ``tests/kernel_src/cutedsl_megamoe/test_dsl_hazards.py``
+#: checks that the installed DSL still does this.
+DSL_REGION_NAMES = ("pred",)
+_DSL_USERS = ("every @cute.jit / @cute.kernel function (the CuTe DSL preprocessor)",)
+
+
+def _preprocessed(fn: ast.FunctionDef) -> bool:
+    """Whether the DSL rewrites ``fn``'s control flow: decorated ``@cute.jit`` / ``@cute.kernel``."""
+    for dec in fn.decorator_list:
+        target = dec.func if isinstance(dec, ast.Call) else dec
+        if getattr(target, "attr", getattr(target, "id", None)) in ("jit", "kernel"):
+            return True
+    return False
+
+
+def _is_const_expr(test: ast.expr) -> bool:
+    """``if cutlass.const_expr(...)``: decided at trace time, no region function."""
+    return isinstance(test, ast.Call) and getattr(test.func, "attr", getattr(test.func, "id", None)) == "const_expr"
+
+
+def dsl_hazards(src_dir: Path) -> list[AuditProblem]:
+    """Every read of a name in ``DSL_REGION_NAMES`` inside the body of a dynamic ``if`` of a DSL function
+    under ``src_dir`` (file, line, function): the DSL compiles it as a read of the ``if``'s condition."""
+    src_dir = Path(src_dir)
+    out = []
+    for path in sorted(src_dir.rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for fn in ast.walk(tree):
+            if not (isinstance(fn, ast.FunctionDef) and _preprocessed(fn)):
+                continue
+            seen = set()
+            for node in ast.walk(fn):
+                if not isinstance(node, ast.If) or _is_const_expr(node.test):
+                    continue
+                for stmt in node.body + node.orelse:
+                    for x in ast.walk(stmt):
+                        if isinstance(x, ast.Name) and x.id in DSL_REGION_NAMES and isinstance(x.ctx, ast.Load):
+                            seen.add((x.lineno, x.id))
+            rel = path.relative_to(src_dir).as_posix()
+            for line, name in sorted(seen):
+                out.append(AuditProblem(
+                    f"{rel}:{line} ({fn.name})",
+                    f"reads {name!r} inside a dynamic if: the CuTe DSL names the if's condition {name!r}, so this "
+                    "read is the condition (rename the variable)",
+                    _DSL_USERS,
+                    kind="dsl",
+                ))  # fmt: skip
+    return out
+
+
 def audit_src(src_dir: Path, symbols: dict[str, SrcSymbol] | None = None) -> list[AuditProblem]:
-    """Every break between the shim's contract table and the drop in ``src_dir`` ([] = compatible)."""
+    """Every break between the shim's contract table and the drop in ``src_dir``, and every ``dsl_hazards``
+    line ([] = compatible)."""
     symbols = symbols or SRC_SYMBOLS
     prepare_compile_env()  # heavy modules import cutlass; target sm_90a on a CPU-only machine
     problems: list[AuditProblem] = []
@@ -124,7 +185,7 @@ def audit_src(src_dir: Path, symbols: dict[str, SrcSymbol] | None = None) -> lis
             obj = getattr(mod, sym.attr)
             if inspect.isclass(obj):
                 problems.extend(_check_class(name, sym, obj))
-    return problems
+    return problems + dsl_hazards(Path(src_dir))
 
 
-__all__ = ["AuditProblem", "audit_src", "isolated_src"]
+__all__ = ["DSL_REGION_NAMES", "AuditProblem", "audit_src", "dsl_hazards", "isolated_src"]

@@ -50,6 +50,14 @@ class Bf16Knobs:
     host-bound call either way); autotune times it in the ``single`` bucket (``tuner.candidates``) and keeps it
     where it wins.
 
+    ``pair_blocks`` (needs ``gather_in_fc1`` and ``cluster_m=1``): the chain without its routing kernel: M block
+    b of the GEMMs is pair b of ``topk_ids`` (its expert, one row), the combine reads row ``b * tile_m``. Every
+    pair reads its expert's weights alone, so it is meant for one token; it serves ``T * top_k <= num_experts``
+    (the workspace's rows; ``pair_blocks_max_tokens``), checked before each launch. On in the ``single`` bucket
+    (``tuner.bf16_refine``): session 29 timed it at 0.94 / 0.97 / 0.98x the chain's time at T = 1 (qwen3-30b-a3b
+    / qwen3-235b-a22b / deepseek-v3, one-call graph replays), outputs bitwise equal; at T = 4 it read each
+    shared expert's weights once per pair and took up to 1.11x.
+
     ``fc2_early_weights`` (default on; it applies with ``cluster_m=1``, and has no effect with clusters):
     FC2 issues its first tile's weight loads before it waits for FC1 (its CTAs that start beside FC1's
     tail stream weights then), and FC1 lets FC2 launch only after its own wait for the routing has
@@ -72,6 +80,7 @@ class Bf16Knobs:
     decode_warps: int = 16
     decode_stages: int = 4
     decode_k_warps: int | None = None
+    pair_blocks: bool = False
 
 
 def widest_tile(n: int, widest: int = 256) -> int:
@@ -140,6 +149,12 @@ class Bf16Frontend(KernelFrontend):
             )
         if k.decode_stages < 2:
             raise ValueError(f"decode_stages must be 2 or more, got {k.decode_stages}")
+        if k.pair_blocks and not (k.gather_in_fc1 and k.cluster_m == 1):
+            raise ValueError("pair_blocks needs gather_in_fc1=True and cluster_m=1")
+        if k.pair_blocks and self.pair_blocks_max_tokens < 1:
+            raise ValueError(
+                f"pair_blocks takes T * top_k <= num_experts; top_k={self.geometry.top_k} > {self.geometry.num_experts}"
+            )
         smem = kh.decode_shared_bytes(k.decode_warps, k.decode_stages, self.geometry.top_k)
         if smem > kh.SM90_SMEM_BYTES:
             raise ValueError(
@@ -150,6 +165,22 @@ class Bf16Frontend(KernelFrontend):
             raise ValueError(
                 f"decode_fused takes T * top_k <= {kh.constants.DECODE_MAX_PAIRS}; top_k={self.geometry.top_k}"
             )
+
+    @property
+    def launch_token_limit(self) -> tuple[int, str, str] | None:
+        """(the most tokens one launch of this knob set takes, the knob that sets it, its rule), or None (any
+        T): ``decode_fused``'s pair limit, else ``pair_blocks``' workspace rows. ``launch`` and the layer's
+        token buckets check T against it."""
+        if self.knobs.decode_fused:
+            return self.decode_max_tokens, "decode_fused", f"T * top_k <= {kh.constants.DECODE_MAX_PAIRS}"
+        if self.knobs.pair_blocks:
+            return self.pair_blocks_max_tokens, "pair_blocks", "T * top_k <= num_experts"
+        return None
+
+    @property
+    def pair_blocks_max_tokens(self) -> int:
+        """The most tokens a ``pair_blocks`` launch takes (``T * top_k <= num_experts``: the workspace's rows)."""
+        return self.geometry.num_experts // self.geometry.top_k
 
     @property
     def decode_max_tokens(self) -> int:
@@ -171,6 +202,7 @@ class Bf16Frontend(KernelFrontend):
             decode_warps=k.decode_warps,
             decode_stages=k.decode_stages,
             decode_k_warps=k.decode_k_warps,
+            pair_blocks=k.pair_blocks,
         )
         return kh.export_moe_bf16(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)
 
@@ -206,22 +238,23 @@ class Bf16Frontend(KernelFrontend):
         workspace: dict[str, torch.Tensor],
     ) -> torch.Tensor:
         """Enqueue the whole layer on the current torch stream (no host sync)."""
-        if self.knobs.decode_fused:
-            self._check_decode_launch(x)
+        self._check_launch(x)
         self.check_workspace_tokens(x.shape[0], workspace)
         fn = self.load()
         fn(x, topk_ids, topk_weights, w13, w2, out, *workspace.values())
         return out
 
-    def _check_decode_launch(self, x: torch.Tensor) -> None:
-        """``decode_fused``: T within its pair limit, and its grid co-resident (a grid barrier)."""
-        t = x.shape[0]
-        if t > self.decode_max_tokens:
+    def _check_launch(self, x: torch.Tensor) -> None:
+        """T within the knob set's per-launch limit (``launch_token_limit``); ``decode_fused``: its grid
+        co-resident (a grid barrier)."""
+        limit = self.launch_token_limit
+        if limit is not None and x.shape[0] > limit[0]:
+            most, knob, rule = limit
             raise ValueError(
-                f"decode_fused serves at most {self.decode_max_tokens} tokens per launch (T * top_k <= "
-                f"{kh.constants.DECODE_MAX_PAIRS}), got T={t}: use a knob set without it for this token count"
+                f"{knob} serves at most {most} tokens per launch ({rule}), got T={x.shape[0]}: use a knob set "
+                "without it for this token count"
             )
-        if x.is_cuda and self._decode_sms_checked != x.device:
+        if self.knobs.decode_fused and x.is_cuda and self._decode_sms_checked != x.device:
             sms = torch.cuda.get_device_properties(x.device).multi_processor_count
             if self.knobs.num_sms > sms:
                 raise ValueError(

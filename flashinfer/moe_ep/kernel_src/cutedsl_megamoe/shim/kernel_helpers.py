@@ -106,6 +106,7 @@ SRC_SYMBOLS: dict[str, SrcSymbol] = {
             "decode_warps",
             "decode_stages",
             "decode_k_warps",
+            "pair_blocks",
         ),
         call_params=BF16_KERNEL_CALL,
     ),

@@ -130,6 +130,8 @@ BF16_KNOBS: tuple[KnobSpec, ...] = (
     KnobSpec("decode_stages", PERFORMANCE, range(2, 9), None, why="ring depth per warp of the fused decode kernel"),
     KnobSpec("decode_k_warps", PERFORMANCE, (None, 1, 2, 4, 8, 16), None,
              why="warps per FC1 unit of the fused decode kernel (None: all of the CTA's)"),
+    KnobSpec("pair_blocks", PERFORMANCE, (False, True), None,
+             why="the chain without a routing kernel, one M block per pair (T * top_k <= num_experts)"),
     # None = as many stages as shared memory allows; an explicit depth can overflow shared memory,
     # which only the compiler detects, so candidates keep None and explicit depths are for hand tuning.
     KnobSpec("fc1_stages", PERFORMANCE, _STAGES, None, why="FC1 TMA pipeline depth"),
@@ -147,7 +149,7 @@ BF16_KNOBS: tuple[KnobSpec, ...] = (
 #: five of six points (deepseek-v3 16384: 21.7 vs 29.0 ms; qwen3-30b-a3b 16384 lost 4 %); ``mid``
 #: keeps the base defaults (cluster_m=2 was even or slower at T = 1024).
 BF16_PROFILES: dict[str, dict[str, Any]] = {
-    "single": {"tile_m": 64, "fc2_tile_n": 128},  # + fc1_split_n where it pays (bf16_refine)
+    "single": {"tile_m": 64, "fc2_tile_n": 128},  # + fc1_split_n where it pays, pair_blocks (bf16_refine)
     "decode": {"tile_m": 64, "fc2_tile_n": 128},
     "mid": {},
     "prefill": {"cluster_m": 2},
@@ -155,17 +157,22 @@ BF16_PROFILES: dict[str, dict[str, Any]] = {
 BF16_PROFILES_SOURCE = (
     "H200 sweeps 2026-11-29 (TUNING.md): decode = tile_m 64 / fc2_tile_n 128; mid = defaults; "
     "prefill = cluster_m 2 (drop v4; the cluster pair table of drops v6-v7); single = decode + the FC1 "
-    "split where twice FC1's CTAs fit the grid (drop v20, session 12 run 13)"
+    "split where twice FC1's CTAs fit the grid (drop v20, session 12 run 13) + pair_blocks (drop v43, "
+    "session 29: 0.94-0.98x the chain's time at T = 1 on the three bench contracts, outputs bitwise equal)"
 )
 
 
 def bf16_refine(geometry: Geometry, bucket: str, knobs: Bf16Knobs) -> Bf16Knobs:
     """The geometry-dependent part of a BF16 profile: in ``single``, the FC1 split where it is valid
-    (``is_valid``: gated, the 256 layout, no cluster) and pays (``bf16.split_fc1_pays``)."""
-    if bucket != "single" or not split_fc1_pays(geometry, knobs):
+    (``is_valid``: gated, the 256 layout, no cluster) and pays (``bf16.split_fc1_pays``), and the chain
+    without its routing kernel (``pair_blocks``) where valid (FC1 gathers, no cluster, top_k <= num_experts)."""
+    if bucket != "single":
         return knobs
-    split = dataclasses.replace(knobs, fc1_split_n=True)
-    return split if is_valid(geometry, split)[0] else knobs
+    if split_fc1_pays(geometry, knobs):
+        split = dataclasses.replace(knobs, fc1_split_n=True)
+        knobs = split if is_valid(geometry, split)[0] else knobs
+    pairs = dataclasses.replace(knobs, pair_blocks=True)
+    return pairs if is_valid(geometry, pairs)[0] else knobs
 
 
 @dataclass(frozen=True)
@@ -263,14 +270,17 @@ def default_knobs(geometry: Geometry, tokens: int, *, name: str = BF16, pinned: 
     the ``pinned`` knobs (the layer's layout) forced before the family's geometry rule (``refine``).
 
     A profile entry that is invalid for ``geometry`` (a tile that does not divide) falls back to the
-    base defaults, which are valid for every geometry the frontend serves.
+    base defaults, which are valid for every geometry the frontend serves (refined the same way: the rule
+    keeps only what stays valid).
     """
     fam = family(name)
     bucket = bucket_of(tokens)
-    knobs = pin(with_overrides(geometry, fam.profiles.get(bucket, {}), name), pinned)
-    if fam.refine is not None:
-        knobs = fam.refine(geometry, bucket, knobs)
-    return knobs if is_valid(geometry, knobs, name=name)[0] else pin(fam.base_defaults(geometry), pinned)
+
+    def refined(knobs: Any) -> Any:
+        return knobs if fam.refine is None else fam.refine(geometry, bucket, knobs)
+
+    knobs = refined(pin(with_overrides(geometry, fam.profiles.get(bucket, {}), name), pinned))
+    return knobs if is_valid(geometry, knobs, name=name)[0] else refined(pin(fam.base_defaults(geometry), pinned))
 
 
 def candidates(
@@ -317,7 +327,7 @@ def candidates(
     if name == BF16 and bucket_of(tokens) == "single" and "decode_fused" not in pinned:
         # the whole layer in one launch against the chain of kernels (issue #3: keep both, let the tuner
         # choose); only the single bucket, the one its pair limit covers in every layer
-        fused = dataclasses.replace(base, decode_fused=True)
+        fused = dataclasses.replace(base, decode_fused=True, pair_blocks=False)  # the chain's knob, unused
         if fused not in out and is_valid(geometry, fused, name=name)[0]:
             out.append(fused)
     return out

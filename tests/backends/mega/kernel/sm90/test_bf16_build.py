@@ -93,6 +93,16 @@ def test_decode_fused_is_one_kernel_with_a_grid_barrier_and_no_spills(tmp_path: 
     assert all(r.spill_bytes == 0 for r in kernel_resources.kernel_resources(lib))
 
 
+@pytest.mark.skipif(kernel_resources.find_cuobjdump() is None, reason="needs cuobjdump (pip install .[test])")
+def test_pair_blocks_drops_the_routing_kernels(tmp_path: Path) -> None:
+    """``pair_blocks`` (session 27 candidate): the library holds FC1, FC2 and the combine only (no routing or
+    row-map kernel), no spill; the GEMMs read ``topk_ids`` instead of a block map."""
+    lib = _frontend("qwen3-30b-a3b", tile_m=64, fc1_split_n=True, pair_blocks=True).build(tmp_path)
+    names = [k.split("#")[0] for k in kernel_resources.kernel_sass(lib)]
+    assert names == ["GroupedGemmSm90", "GroupedGemmSm90", "combine_kernel"], names
+    assert all(r.spill_bytes == 0 for r in kernel_resources.kernel_resources(lib) if "Grouped" in r.name)
+
+
 def test_key_covers_versions_geometry_and_knobs(tmp_path: Path, monkeypatch) -> None:
     base = _frontend()
     assert base.key.digest() != _frontend(tile_m=64).key.digest()

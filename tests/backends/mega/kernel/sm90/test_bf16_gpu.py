@@ -82,10 +82,32 @@ GPU_VARIANTS = [
                                              "decode_stages": 3})),
     ("qwen3-30b-a3b-fused", moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
         2048, 768, 128, 8, "swiglu", knobs={"tile_m": 64, "fc2_tile_n": 128, "decode_fused": True})),
+] + [
+    # pair_blocks (the chain without a routing kernel, one M block per pair): 64-row tiles, 128-row tiles (the
+    # second warpgroup's rows all padding) with relu2, and the single bucket's knobs of qwen3-30b-a3b
+    ("small-swiglu-pairs", moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
+        **SMALL, knobs={"tile_m": 64, "pair_blocks": True})),
+    ("small-relu2-pairs", moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
+        **SMALL, activation="relu2", knobs={"tile_m": 128, "pair_blocks": True})),
+    ("qwen3-30b-a3b-pairs", moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
+        2048, 768, 128, 8, "swiglu", knobs={"tile_m": 64, "fc2_tile_n": 128, "fc1_split_n": True,
+                                             "pair_blocks": True})),
 ]  # fmt: skip
 #: token capacity of the fused variants' layers: T * top_k <= 256 pairs (top_k 8: 32 tokens)
 DECODE_MAX_T = 32
 DECODE_TOKENS = (0, 1, 2, 7, DECODE_MAX_T)
+
+
+def capacity(name: str) -> int:
+    """The token capacity of a test variant's layer: the fused kernel's pair limit, ``pair_blocks``'
+    ``T * top_k <= num_experts``, else MAX_T."""
+    if "fused" in name:
+        return DECODE_MAX_T
+    if "pairs" in name:
+        cfg = dict(GPU_VARIANTS)[name]
+        return cfg.num_experts // cfg.top_k
+    return MAX_T
+
 
 _layers: dict[str, tuple] = {}
 
@@ -98,7 +120,7 @@ def _layer(name: str):
                                       generator=g, device="cuda")  # fmt: skip
         layer = moe.MoEEpLayer(
             moe.BootstrapConfig(device="cuda"),
-            moe.FleetParams(cfg.num_experts, DECODE_MAX_T if "fused" in name else MAX_T, cfg.hidden_size),
+            moe.FleetParams(cfg.num_experts, capacity(name), cfg.hidden_size),
             moe.MoEWeightPack(w13, w2),
             backend=moe.MegaConfig(cfg),
         )
@@ -132,7 +154,9 @@ def _replay_equals_eager(layer, cfg, captured, seed: int) -> bool:
     return graph_replay.replay_equals_eager(layer, captured, fresh_inputs(cfg, captured[2].shape[0], "skewed", seed))
 
 
-@pytest.mark.parametrize("variant", [n for n, _ in GPU_VARIANTS if n.startswith("small-") and "fused" not in n])
+@pytest.mark.parametrize(
+    "variant", [n for n, _ in GPU_VARIANTS if n.startswith("small-") and "fused" not in n and "pairs" not in n]
+)
 @pytest.mark.parametrize("routing", ROUTINGS)
 def test_small_every_activation(variant: str, routing: str) -> None:
     layer, cfg, w13, w2 = _layer(variant)
@@ -162,6 +186,31 @@ def test_fused_decode(variant: str, routing: str) -> None:
         _check(layer, cfg, w13, w2, inp)
     for _, ws in layer._backend._by_bucket.values():
         assert ws["meta"][2:4].tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("variant", [n for n, _ in GPU_VARIANTS if "pairs" in n])
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_pair_blocks(variant: str, routing: str) -> None:
+    """``pair_blocks`` (no routing kernel) at every T its layer takes (T = 0 too), one hot expert and empty
+    experts; a graph replay equals eager; a launch past its token limit raises before anything runs."""
+    layer, cfg, w13, w2 = _layer(variant)
+    assert all(fe.knobs.pair_blocks for fe, _ in layer._backend._by_bucket.values())
+    cap = capacity(variant)
+    for i, t in enumerate(sorted({0, 1, 2, cap // 2, cap})):
+        inp = fresh_inputs(cfg, t, routing, seed=zlib.crc32(f"{variant}/{routing}/{i}".encode()))
+        if t == 0:
+            assert layer.forward(inp).shape == (0, cfg.hidden_size)
+            continue
+        _check(layer, cfg, w13, w2, inp)
+    if routing == "uniform":
+        assert _replay_equals_eager(layer, cfg, _capture(layer, cfg, 1, seed=3), seed=4)
+        fe, ws = layer._backend._by_bucket["decode"]
+        inp = fresh_inputs(cfg, cap + 1, "uniform", seed=5)
+        out = torch.full((cap + 1, cfg.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
+        with pytest.raises(ValueError, match="pair_blocks serves at most"):
+            fe.launch(inp.hidden_states, inp.topk_ids, inp.topk_weights, layer._backend.w13, layer._backend.w2, out,
+                      ws)  # fmt: skip
+        assert bool(out.isnan().all())
 
 
 def test_fused_decode_refuses_more_tokens_than_it_takes() -> None:

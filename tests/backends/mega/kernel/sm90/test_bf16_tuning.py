@@ -139,3 +139,18 @@ def test_fused_decode_knobs_only_for_a_layer_whose_buckets_stay_within_its_pair_
     assert all(fe.knobs.decode_fused for fe in p.frontends.values())
     with pytest.raises(MoEEpConfigError, match="token bucket 'decode' reaches T=33"):
         tuning.layer_profiles(fused, 128, 33, CTX)
+
+
+def test_pair_blocks_only_for_a_layer_whose_buckets_stay_within_its_rows() -> None:
+    """``pair_blocks`` (one M block per pair, no routing kernel) takes T * top_k <= num_experts (16 tokens at
+    qwen3-30b-a3b): a layer of 16 tokens builds, one of 17 is refused at construction with the bucket named;
+    it needs FC1's own gather and no clusters."""
+    pairs = _config({"pair_blocks": True})
+    p = tuning.layer_profiles(pairs, 128, 16, CTX)
+    assert all(fe.knobs.pair_blocks for fe in p.frontends.values())
+    assert {fe.pair_blocks_max_tokens for fe in p.frontends.values()} == {16}
+    with pytest.raises(MoEEpConfigError, match="pair_blocks serves at most 16 tokens.*'decode' reaches T=17"):
+        tuning.layer_profiles(pairs, 128, 17, CTX)
+    for bad in ({"pair_blocks": True, "cluster_m": 2}, {"pair_blocks": True, "gather_in_fc1": False}):
+        with pytest.raises(MoEEpConfigError, match="pair_blocks needs gather_in_fc1=True and cluster_m=1"):
+            tuning.layer_profiles(_config(bad), 128, 1, CTX)

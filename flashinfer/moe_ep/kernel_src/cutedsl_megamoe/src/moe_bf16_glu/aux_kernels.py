@@ -412,8 +412,10 @@ def combine_kernel(
     out: cute.Tensor,  # (T, H) bf16
     top_k: cutlass.Constexpr[int],
     vpt: cutlass.Constexpr[int],
+    pair_rows: cutlass.Constexpr[int] = 0,
 ):
     """out[t] = bf16(sum_k w[t,k] * float(y[pair_row[t*K+k]])), k in order, fp32 accumulation.
+    ``pair_rows`` > 0 (the GEMMs' ``pair_blocks``): pair p's row is ``p * pair_rows`` (no ``pair_row`` map).
 
     A thread item is ``vpt`` 16-byte vectors (8 columns each) of one token; its K * vpt row loads
     are in flight together. No atomics: deterministic.
@@ -434,7 +436,10 @@ def combine_kernel(
         t = item // ngrp
         g = item - t * ngrp
         for k in cutlass.range_constexpr(top_k):
-            r = pair_row[t * top_k + k]
+            if cutlass.const_expr(pair_rows > 0):
+                r = (t * top_k + k) * pair_rows
+            else:
+                r = pair_row[t * top_k + k]
             for j in cutlass.range_constexpr(vpt):
                 cute.autovec_copy(cute.local_tile(y, (1, vec), (r, g + j * ngrp)), frags[k * vpt + j])
         for j in cutlass.range_constexpr(vpt):

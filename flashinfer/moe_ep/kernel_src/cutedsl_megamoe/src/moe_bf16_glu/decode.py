@@ -12,7 +12,9 @@ Both stream the weights at about 3.5 TB/s where the layer is all streaming (deep
 Autotune times it in the ``single`` token bucket. The steps:
 
 1. routing, in every CTA from ``topk_ids`` (at most ``DECODE_MAX_PAIRS`` pairs, one thread each): the
-   pairs grouped by expert in expert order, at most 8 pairs a group (one MMA's token columns);
+   pairs grouped by expert in expert order, at most 8 pairs a group (one MMA's token columns); for one
+   token each pair is its own group, in k order (no grouping: one read and one CTA barrier; session 29:
+   outputs bitwise those of the grouping, the layer 1-4 % faster at T = 1);
 2. FC1 as a GEMV: work unit = (group, 16 weight rows), its K steps split over ``k_warps`` warps of a
    CTA (all of them by default; their partial sums meet in shared memory, added in warp order); unit j
    goes to CTA j % G first (every SM streams); gated activations take the gate rows of 8 features and
@@ -188,49 +190,61 @@ class FusedDecodeSm90:
         cute.arch.griddepcontrol_wait()  # x and topk_ids come from the kernels before
 
         if num_pairs <= DECODE_MAX_PAIRS:
-            # ---- 1. routing: pair p -> (group, slot); groups in expert order, 8 pairs at most each
+            # ---- 1. routing: pair p -> (group, slot); groups in expert order, 8 pairs at most each. One token:
+            # each pair is a group of its own, in k order (its experts are distinct, and a repeated one is only
+            # computed twice): no grouping, one barrier
             ids_flat = cute.make_tensor(topk_ids.iterator, cute.make_layout(num_pairs))
-            if tidx < num_pairs:
-                s_ids[tidx] = ids_flat[tidx]
-            cute.arch.barrier()
-            if tidx < num_pairs:
-                e = s_ids[tidx]
-                first = Int32(1)
-                count = Int32(0)
-                for q in cutlass.range(num_pairs, unroll=1):
-                    same = s_ids[q] == e
-                    if same:
-                        count = count + 1
-                        if q < tidx:
-                            first = Int32(0)
-                s_first[tidx] = first
-                s_cnt[tidx] = count
-            cute.arch.barrier()
             num_groups = Int32(0)
-            for q in cutlass.range(num_pairs, unroll=1):
-                if s_first[q] != 0:
-                    num_groups = num_groups + _groups_of(s_cnt[q])
-            cute.arch.barrier()
-            if tidx < num_pairs:
-                e = s_ids[tidx]
-                base = Int32(0)
-                slot = Int32(0)
-                total = Int32(0)
+            if num_tokens == 1:
+                if tidx < num_pairs:
+                    e_one = ids_flat[tidx]
+                    s_ids[tidx] = e_one
+                    s_gexp[tidx] = e_one
+                    s_gcnt[tidx] = 1
+                    s_gpair[tidx * GROUP_PAIRS] = tidx
+                num_groups = num_pairs
+                cute.arch.barrier()
+            else:
+                if tidx < num_pairs:
+                    s_ids[tidx] = ids_flat[tidx]
+                cute.arch.barrier()
+                if tidx < num_pairs:
+                    e = s_ids[tidx]
+                    first = Int32(1)
+                    count = Int32(0)
+                    for q in cutlass.range(num_pairs, unroll=1):
+                        same = s_ids[q] == e
+                        if same:
+                            count = count + 1
+                            if q < tidx:
+                                first = Int32(0)
+                    s_first[tidx] = first
+                    s_cnt[tidx] = count
+                cute.arch.barrier()
                 for q in cutlass.range(num_pairs, unroll=1):
-                    eq = s_ids[q]
-                    if s_first[q] != 0 and eq < e:
-                        base = base + _groups_of(s_cnt[q])
-                    if eq == e:
-                        if q < tidx:
-                            slot = slot + 1
-                        if s_first[q] != 0:
-                            total = s_cnt[q]
-                g = base + slot // GROUP_PAIRS
-                s_gpair[g * GROUP_PAIRS + slot % GROUP_PAIRS] = tidx
-                if slot % GROUP_PAIRS == 0:
-                    s_gexp[g] = e
-                    s_gcnt[g] = cutlass.min(total - slot, GROUP_PAIRS)
-            cute.arch.barrier()
+                    if s_first[q] != 0:
+                        num_groups = num_groups + _groups_of(s_cnt[q])
+                cute.arch.barrier()
+                if tidx < num_pairs:
+                    e = s_ids[tidx]
+                    base = Int32(0)
+                    slot = Int32(0)
+                    total = Int32(0)
+                    for q in cutlass.range(num_pairs, unroll=1):
+                        eq = s_ids[q]
+                        if s_first[q] != 0 and eq < e:
+                            base = base + _groups_of(s_cnt[q])
+                        if eq == e:
+                            if q < tidx:
+                                slot = slot + 1
+                            if s_first[q] != 0:
+                                total = s_cnt[q]
+                    g = base + slot // GROUP_PAIRS
+                    s_gpair[g * GROUP_PAIRS + slot % GROUP_PAIRS] = tidx
+                    if slot % GROUP_PAIRS == 0:
+                        s_gexp[g] = e
+                        s_gcnt[g] = cutlass.min(total - slot, GROUP_PAIRS)
+                cute.arch.barrier()
 
             # ---- 2. FC1: units (group, 16 rows), each on ``k_warps`` warps of a CTA splitting its K steps;
             # unit j -> CTA j % G first (every SM streams), then the CTA's next slot of k_warps warps

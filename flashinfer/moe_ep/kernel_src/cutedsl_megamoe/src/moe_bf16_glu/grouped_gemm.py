@@ -89,7 +89,13 @@ class GroupedGemmSm90:
         split_n: bool = False,
         early_b: bool = False,
         trigger_after_wait: bool = False,
+        pair_blocks: bool = False,
     ) -> None:
+        if pair_blocks and cluster_m != 1:
+            raise ValueError("pair_blocks needs cluster_m=1")
+        # pair_blocks: M block b is pair b of topk_ids (expert topk_ids.flat[b], one real row: token b // K);
+        # no routing kernel writes a block map (the chain's one-token path)
+        self.pair_blocks = pair_blocks
         if early_b and (gather_a or split_n or cluster_m != 1):
             raise ValueError("early_b needs TMA-loaded A rows, no split_n and cluster_m=1")
         self.early_b = early_b
@@ -218,6 +224,7 @@ class GroupedGemmSm90:
         use_pdl: bool = False,
         x: cute.Tensor | None = None,
         row_token: cute.Tensor | None = None,
+        topk_ids: cute.Tensor | None = None,
     ) -> None:
         """Trace-time: build TMA descriptors and launch the persistent kernel on ``stream``.
         With ``gather_a``, ``a`` only sets the operand type: A rows come from ``x`` [T, H] through
@@ -251,6 +258,8 @@ class GroupedGemmSm90:
             )
             self.tma_bytes += cute.size_in_bytes(self.ab_dtype, a_smem_one)
             x, row_token = a, meta  # unused placeholders
+        if cutlass.const_expr(not self.pair_blocks):
+            topk_ids = meta  # unused placeholder
 
         @cute.struct
         class SharedStorage:
@@ -272,6 +281,7 @@ class GroupedGemmSm90:
             meta,
             x,
             row_token,
+            topk_ids,
             self.tiled_mma,
             self.tiled_mma_out,
             self.a_smem_layout,
@@ -301,6 +311,7 @@ class GroupedGemmSm90:
         meta: cute.Tensor,
         mX: cute.Tensor,
         row_token: cute.Tensor,
+        topk_ids: cute.Tensor,
         tiled_mma: cute.TiledMma,
         tiled_mma_out: cute.TiledMma,
         a_smem_layout: cute.ComposedLayout,
@@ -398,7 +409,8 @@ class GroupedGemmSm90:
         if cutlass.const_expr(self.early_b):
             if warp_idx == 0:
                 self._early_b_loads(
-                    ab_pipe, tma_b, tBgB, tBsB, tBgB_other, tBsB_other, m_block_expert, meta, first_tile, n_tiles,
+                    ab_pipe, tma_b, tBgB, tBsB, tBgB_other, tBsB_other, m_block_expert, meta, topk_ids, first_tile,
+                    n_tiles,
                     early_k, b_mcast_mask, b_self_mask,
                 )  # fmt: skip
         # PDL: the prologue above overlapped the previous kernel; its outputs are read below.
@@ -409,7 +421,7 @@ class GroupedGemmSm90:
             cute.arch.griddepcontrol_launch_dependents()
         # Cluster tiles: (group of cluster_m M blocks, n); this CTA takes block cluster_m*g + rank
         # (an odd block count ends with a phantom block: no real rows, see the routing scan).
-        num_tiles = (meta[0] + self.cluster_m - 1) // self.cluster_m * n_tiles
+        num_tiles = (self._num_blocks(meta, topk_ids) + self.cluster_m - 1) // self.cluster_m * n_tiles
 
         if wg_idx == 0:
             # ------------------------------------------------------------ producer warpgroup
@@ -433,8 +445,8 @@ class GroupedGemmSm90:
                     grp = tile // n_tiles
                     n_blk = tile - grp * n_tiles
                     m_blk = self._m_block(m_block_expert, grp, cluster_coord[0])
-                    expert = m_block_expert[m_blk] & 0xFFFF
-                    valid_rows = m_block_expert[m_blk] >> 16
+                    expert = self._block_entry(m_block_expert, topk_ids, m_blk) & 0xFFFF
+                    valid_rows = self._block_entry(m_block_expert, topk_ids, m_blk) >> 16
                     share_b = cutlass.Boolean(False)
                     if cutlass.const_expr(self.cluster_m > 1):
                         partner = self._m_block(m_block_expert, grp, (cluster_coord[0] + 1) % self.cluster_m)
@@ -444,7 +456,7 @@ class GroupedGemmSm90:
                     for j in cutlass.range_constexpr(rows_pt):
                         t = cutlass.Int32(-1)
                         if group + 16 * j < valid_rows:
-                            t = row_token[m_blk * self.tile_m + group + 16 * j]
+                            t = self._row_token(row_token, topk_ids, m_blk, group + 16 * j)
                         tok.append(t)
                     for k in cutlass.range(k_tiles, unroll=1):
                         ab_pipe.sync_object_empty.wait(prod_state.index, prod_state.phase)
@@ -473,7 +485,7 @@ class GroupedGemmSm90:
                         grp = tile // n_tiles
                         n_blk = tile - grp * n_tiles
                         m_blk = self._m_block(m_block_expert, grp, cluster_coord[0])
-                        expert = m_block_expert[m_blk] & 0xFFFF
+                        expert = self._block_entry(m_block_expert, topk_ids, m_blk) & 0xFFFF
                         # Both CTAs derive the same answer from the same two entries.
                         share_b = cutlass.Boolean(False)
                         if cutlass.const_expr(self.cluster_m > 1):
@@ -560,7 +572,7 @@ class GroupedGemmSm90:
                 m_blk = self._m_block(m_block_expert, grp, cluster_coord[0])
                 # Rows of this M block that hold real pairs (the rest is expert padding): a
                 # warpgroup whose 64 rows are all padding skips its MMAs and its stores.
-                valid_rows = m_block_expert[m_blk] >> 16
+                valid_rows = self._block_entry(m_block_expert, topk_ids, m_blk) >> 16
                 active = valid_rows > (wg_idx - 1) * 64  # its first 64-row atom holds real rows
 
                 # ---- mainloop: keep one WGMMA batch in flight, release the stage before it.
@@ -628,6 +640,24 @@ class GroupedGemmSm90:
                 tile += tile_stride
             store_pipe.producer_tail()
 
+    def _num_blocks(self, meta: cute.Tensor, topk_ids: cute.Tensor):
+        """M blocks of this call: the routing's count, or with ``pair_blocks`` one per pair."""
+        if cutlass.const_expr(self.pair_blocks):
+            return topk_ids.shape[0] * topk_ids.shape[1]
+        return meta[0]
+
+    def _block_entry(self, m_block_expert: cute.Tensor, topk_ids: cute.Tensor, m_blk):
+        """Block ``m_blk``'s entry: expert | real rows << 16 (``pair_blocks``: pair m_blk's expert, one row)."""
+        if cutlass.const_expr(self.pair_blocks):
+            return topk_ids[m_blk // topk_ids.shape[1], m_blk % topk_ids.shape[1]] | (1 << 16)
+        return m_block_expert[m_blk]
+
+    def _row_token(self, row_token: cute.Tensor, topk_ids: cute.Tensor, m_blk, row):
+        """The token of real row ``row`` of block ``m_blk`` (``pair_blocks``: the pair's token)."""
+        if cutlass.const_expr(self.pair_blocks):
+            return m_blk // topk_ids.shape[1]
+        return row_token[m_blk * self.tile_m + row]
+
     def _m_block(self, m_block_expert: cute.Tensor, grp, rank):
         """The M block that CTA ``rank`` of cluster group ``grp`` takes (see the module docstring)."""
         if cutlass.const_expr(self.pair_by_expert):
@@ -651,6 +681,7 @@ class GroupedGemmSm90:
         tBsB_other,
         m_block_expert,
         meta,
+        topk_ids,
         first_tile,
         n_tiles,
         early_k: cutlass.Constexpr,
@@ -660,11 +691,17 @@ class GroupedGemmSm90:
         """``early_b``, warp 0 before ``griddepcontrol.wait``: acquire the first ``early_k`` ring stages and
         issue their B loads for this CTA's first tile (the stage's full barrier then waits for the A rows,
         loaded after the wait). The routing's outputs are read with ld.relaxed.gpu (not through L1)."""
-        blocks = cute.arch.load(meta.iterator.llvm_ptr, cutlass.Int32, sem="relaxed", scope="gpu")
+        if cutlass.const_expr(self.pair_blocks):
+            blocks = topk_ids.shape[0] * topk_ids.shape[1]
+        else:
+            blocks = cute.arch.load(meta.iterator.llvm_ptr, cutlass.Int32, sem="relaxed", scope="gpu")
         if first_tile < blocks * n_tiles:
             m_blk = first_tile // n_tiles
             n_blk = first_tile - m_blk * n_tiles
-            entry_ptr = (m_block_expert.iterator + m_blk).llvm_ptr
+            if cutlass.const_expr(self.pair_blocks):  # topk_ids (row-major): pair m_blk is element m_blk
+                entry_ptr = (topk_ids.iterator + m_blk).llvm_ptr
+            else:
+                entry_ptr = (m_block_expert.iterator + m_blk).llvm_ptr
             entry = cute.arch.load(entry_ptr, cutlass.Int32, sem="relaxed", scope="gpu")
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
             for k in cutlass.range(early_k, unroll=1):

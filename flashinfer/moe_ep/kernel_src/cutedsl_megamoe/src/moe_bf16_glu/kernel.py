@@ -94,6 +94,11 @@ class Sm90MegaMoEBf16Kernel:
     :param decode_warps, decode_stages, decode_k_warps: the fused kernel's warps per CTA (8, 16), ring depth
         per warp and warps splitting the K steps of one FC1 unit (1, 2, 4, 8, 16, at most ``decode_warps``;
         None: all of the CTA's).
+    :param pair_blocks: no routing kernel: M block b is pair b of ``topk_ids`` (its expert, one real row),
+        FC1 reads the pair's token row and the combine row ``b * tile_m`` (``GroupedGemmSm90.pair_blocks``).
+        Every pair then reads its expert's weights alone, so it is meant for one token; the caller must keep
+        ``T * top_k <= num_experts`` (the workspace's rows). Needs ``gather_in_fc1`` and ``cluster_m=1``.
+        Session 29: outputs bitwise the chain's, 0.94-0.98x its time at T = 1 on the three bench contracts.
     :param stage_mask: debugging/profiling only: bit i enables stage i (routing, gather, FC1,
         FC2, combine); anything but 0b11111 gives wrong results (and masking out routing leaves
         ``expert_count`` non-zero).
@@ -129,8 +134,12 @@ class Sm90MegaMoEBf16Kernel:
         decode_warps: int = 16,
         decode_stages: int = 4,
         decode_k_warps: int | None = None,
+        pair_blocks: bool = False,
     ) -> None:
         early = fc2_early_weights and cluster_m == 1 and use_pdl
+        if pair_blocks and not (gather_in_fc1 and cluster_m == 1):
+            raise ValueError("pair_blocks needs gather_in_fc1 and cluster_m=1")
+        self.pair_blocks = pair_blocks
         self.sized_grids = sized_grids
         self.route_maps_rows = route_maps_rows
         if activation not in constants.ACTIVATIONS:
@@ -168,6 +177,7 @@ class Sm90MegaMoEBf16Kernel:
             gather_a=gather_in_fc1,
             split_n=fc1_split_n,
             trigger_after_wait=early,
+            pair_blocks=pair_blocks,
         )
         # decode_fused: the whole layer is this one kernel (the GEMMs above then only give w13's layout)
         self.decode = (
@@ -179,7 +189,7 @@ class Sm90MegaMoEBf16Kernel:
         )
         self.fc2 = GroupedGemmSm90(
             tile_m, fc2_tile_n, EPI_PLAIN, None, num_sms, fc2_stages, epi_direct, cluster_m, pair_by_expert,
-            early_b=early,
+            early_b=early, pair_blocks=pair_blocks,
         )  # fmt: skip
 
     @staticmethod
@@ -238,7 +248,8 @@ class Sm90MegaMoEBf16Kernel:
         )
         # A single routing CTA writes the row map itself (route_maps_rows): no row-map launch then.
         map_in_routing = self.gather_in_fc1 and self.route_maps_rows and self.stage_mask & 3 == 3
-        if cutlass.const_expr(self.stage_mask & 1):
+        routed = not self.pair_blocks  # pair_blocks: the GEMMs read topk_ids themselves
+        if cutlass.const_expr(self.stage_mask & 1 and routed):
             aux_kernels.route_kernel(
                 topk_ids,
                 pair_rank,
@@ -260,7 +271,7 @@ class Sm90MegaMoEBf16Kernel:
                 stream=stream,
                 use_pdl=pdl,
             )
-        if cutlass.const_expr(self.stage_mask & 2):
+        if cutlass.const_expr(self.stage_mask & 2 and routed):
             if cutlass.const_expr(self.gather_in_fc1):
                 launch_map = True
                 if cutlass.const_expr(map_in_routing):
@@ -285,11 +296,18 @@ class Sm90MegaMoEBf16Kernel:
                 )
         if cutlass.const_expr(self.stage_mask & 4):
             w13_view = self._tiled_expert_major_view(w13) if self.fc1_tiled else self._expert_major_view(w13)
-            self.fc1.launch(a_buf, w13_view, h_buf, m_block_expert, meta, stream, pdl, x=x, row_token=row_token)
+            self.fc1.launch(
+                a_buf, w13_view, h_buf, m_block_expert, meta, stream, pdl, x=x, row_token=row_token, topk_ids=topk_ids
+            )
         if cutlass.const_expr(self.stage_mask & 8):
-            self.fc2.launch(h_buf, self._expert_major_view(w2), a_buf, m_block_expert, meta, stream, pdl)
+            self.fc2.launch(
+                h_buf, self._expert_major_view(w2), a_buf, m_block_expert, meta, stream, pdl, topk_ids=topk_ids
+            )
         if cutlass.const_expr(self.stage_mask & 16):
-            aux_kernels.combine_kernel(a_buf, pair_row, topk_weights, out, topk_ids.shape[1], self.aux_vpt).launch(
+            pair_rows = self.tile_m if self.pair_blocks else 0
+            aux_kernels.combine_kernel(
+                a_buf, pair_row, topk_weights, out, topk_ids.shape[1], self.aux_vpt, pair_rows
+            ).launch(
                 grid=[combine_ctas, 1, 1],
                 block=[self.aux_threads, 1, 1],
                 stream=stream,

@@ -116,11 +116,12 @@ def layer_profiles(
         if knobs not in by_knobs:
             by_knobs[knobs] = drop.Bf16Frontend(geometry, knobs)
         reach = max_tokens if b.max_tokens is None else min(b.max_tokens, max_tokens)
-        limit = by_knobs[knobs].decode_max_tokens
-        if knobs.decode_fused and reach > limit:
+        limit = by_knobs[knobs].launch_token_limit
+        if limit is not None and reach > limit[0]:
+            most, knob, rule = limit
             raise MoEEpConfigError(
-                f"{config.kernel_name}: decode_fused serves at most {limit} tokens per launch at top_k="
-                f"{geometry.top_k}, but token bucket {b.name!r} reaches T={reach}: give it other knobs or a "
+                f"{config.kernel_name}: {knob} serves at most {most} tokens per launch ({rule}, top_k="
+                f"{geometry.top_k}), but token bucket {b.name!r} reaches T={reach}: give it other knobs or a "
                 "smaller token capacity"
             )
         frontends[b.name], sources[b.name] = by_knobs[knobs], source
