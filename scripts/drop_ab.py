@@ -61,18 +61,20 @@ class OtherDropLoader:
     def __init__(self, other: dict[str, tuple[Path, str]], pack: Any = None) -> None:
         self.other, self.pack, self.loaded = other, pack, []
         self.saved = frontend.KernelFrontend.load
+        #: every knob name the other drop's libraries have (``identity`` leaves out newer ones at their defaults)
+        self.their_knobs = {name for ident in other for name in json.loads(ident)["knobs"]}
 
     def identity(self, fe: Any) -> str:
         """``fe``'s variant as the other drop names it: a knob the other drop does not have (added since)
         is left out when it is at its default, which is the other drop's behaviour; at another value the
         other drop has no such variant."""
-        key = fe.key.as_dict()
-        theirs = {name for ident in self.other for name in json.loads(ident)["knobs"]}
+        key, theirs = fe.key.as_dict(), self.their_knobs
         defaults = (
             {f.name: f.default for f in dataclasses.fields(fe.knobs)} if dataclasses.is_dataclass(fe.knobs) else {}
         )
-        new = [k for k in key["knobs"] if theirs and k not in theirs and key["knobs"][k] == defaults.get(k)]
-        key["knobs"] = {k: v for k, v in key["knobs"].items() if k not in new}
+        key["knobs"] = {
+            k: v for k, v in key["knobs"].items() if not (theirs and k not in theirs and v == defaults.get(k))
+        }
         return kernel_cache.variant_identity(key)
 
     def __enter__(self) -> OtherDropLoader:

@@ -115,18 +115,19 @@ DSL_REGION_NAMES = ("pred",)
 _DSL_USERS = ("every @cute.jit / @cute.kernel function (the CuTe DSL preprocessor)",)
 
 
+def _last_name(node: ast.expr) -> str | None:
+    """``b`` of ``a.b`` or of ``b``."""
+    return getattr(node, "attr", getattr(node, "id", None))
+
+
 def _preprocessed(fn: ast.FunctionDef) -> bool:
     """Whether the DSL rewrites ``fn``'s control flow: decorated ``@cute.jit`` / ``@cute.kernel``."""
-    for dec in fn.decorator_list:
-        target = dec.func if isinstance(dec, ast.Call) else dec
-        if getattr(target, "attr", getattr(target, "id", None)) in ("jit", "kernel"):
-            return True
-    return False
+    return any(_last_name(d.func if isinstance(d, ast.Call) else d) in ("jit", "kernel") for d in fn.decorator_list)
 
 
 def _is_const_expr(test: ast.expr) -> bool:
     """``if cutlass.const_expr(...)``: decided at trace time, no region function."""
-    return isinstance(test, ast.Call) and getattr(test.func, "attr", getattr(test.func, "id", None)) == "const_expr"
+    return isinstance(test, ast.Call) and _last_name(test.func) == "const_expr"
 
 
 def dsl_hazards(src_dir: Path) -> list[AuditProblem]:
