@@ -160,16 +160,18 @@ def test_defaults_are_the_declared_profiles() -> None:
         assert not tuner.default_knobs(g, 2).fc1_split_n  # the split is for one token only
 
 
-def test_the_single_bucket_runs_the_chain_without_its_routing_kernel() -> None:
-    """``pair_blocks`` in ``single`` (one token: its pairs' experts are distinct) wherever it is valid, on every
+def test_the_single_bucket_runs_the_chain_without_its_routing_and_combine_kernels() -> None:
+    """``pair_blocks`` and ``pair_combine`` in ``single`` (one token: its pairs' experts are distinct) wherever it is valid, on every
     contract; never in a larger bucket (its launch limit T * top_k <= num_experts); not without the gather."""
     for c in CONTRACTS.values():
         g = drop.Geometry(c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit)
         single = tuner.default_knobs(g, 1)
-        assert single.pair_blocks and tuner.is_valid(g, single)[0], c
+        assert single.pair_blocks and single.pair_combine and tuner.is_valid(g, single)[0], c
         assert not any(tuner.default_knobs(g, t).pair_blocks for t in (2, 128, 4096)), c
+        assert not any(tuner.default_knobs(g, t).pair_combine for t in (2, 128, 4096)), c
     qwen30 = drop.Geometry(2048, 768, 128, 8, "swiglu", None)
-    assert not tuner.default_knobs(qwen30, 1, pinned={"gather_in_fc1": False}).pair_blocks
+    no_gather = tuner.default_knobs(qwen30, 1, pinned={"gather_in_fc1": False})
+    assert not no_gather.pair_blocks and not no_gather.pair_combine
 
 
 def test_the_single_bucket_splits_fc1_where_twice_its_ctas_fit_the_grid() -> None:
@@ -223,7 +225,8 @@ def test_decode_fused_knobs_are_validated_and_off_by_default() -> None:
     assert "at most decode_warps=8" in tuner.is_valid(g, too_many)[1]
     # autotune times it in the single bucket only, against the chain's default
     fused = [k for k in tuner.candidates(g, 1) if k.decode_fused]
-    assert fused == [dataclasses.replace(tuner.default_knobs(g, 1), decode_fused=True, pair_blocks=False)]
+    chain = tuner.default_knobs(g, 1)
+    assert fused == [dataclasses.replace(chain, decode_fused=True, pair_blocks=False, pair_combine=False)]
     assert not any(k.decode_fused for t in (2, 64, 4096) for k in tuner.candidates(g, t))
 
 

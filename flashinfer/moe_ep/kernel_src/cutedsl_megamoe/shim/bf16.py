@@ -58,6 +58,14 @@ class Bf16Knobs:
     / qwen3-235b-a22b / deepseek-v3, one-call graph replays), outputs bitwise equal; at T = 4 it read each
     shared expert's weights once per pair and took up to 1.11x.
 
+    ``pair_combine`` (needs ``pair_blocks``): FC2 does the combine itself (the last of a token's ``top_k`` pairs
+    to finish an N tile sums the tile's k rows in k order, the combine kernel's arithmetic: the same bits), so
+    the layer is two kernels; its arrival counters are ``expert_count``'s tail in the workspace
+    (``pair_combine_counters``, zero between calls). Drop v44, on with ``pair_blocks`` in the ``single`` bucket
+    (``tuner.bf16_refine``): session 30 timed the layer without it at 1.037-1.055 / 1.002-1.013 / 1.004-1.005x
+    its time at T = 1 (qwen3-30b-a3b / qwen3-235b-a22b / deepseek-v3, one-call graph replays, two runs), outputs
+    bitwise equal.
+
     ``fc2_early_weights`` (default on; it applies with ``cluster_m=1``, and has no effect with clusters):
     FC2 issues its first tile's weight loads before it waits for FC1 (its CTAs that start beside FC1's
     tail stream weights then), and FC1 lets FC2 launch only after its own wait for the routing has
@@ -81,6 +89,7 @@ class Bf16Knobs:
     decode_stages: int = 4
     decode_k_warps: int | None = None
     pair_blocks: bool = False
+    pair_combine: bool = False
 
 
 def widest_tile(n: int, widest: int = 256) -> int:
@@ -151,6 +160,8 @@ class Bf16Frontend(KernelFrontend):
             raise ValueError(f"decode_stages must be 2 or more, got {k.decode_stages}")
         if k.pair_blocks and not (k.gather_in_fc1 and k.cluster_m == 1):
             raise ValueError("pair_blocks needs gather_in_fc1=True and cluster_m=1")
+        if k.pair_combine and not k.pair_blocks:
+            raise ValueError("pair_combine needs pair_blocks=True")
         if k.pair_blocks and self.pair_blocks_max_tokens < 1:
             raise ValueError(
                 f"pair_blocks takes T * top_k <= num_experts; top_k={self.geometry.top_k} > {self.geometry.num_experts}"
@@ -203,14 +214,16 @@ class Bf16Frontend(KernelFrontend):
             decode_stages=k.decode_stages,
             decode_k_warps=k.decode_k_warps,
             pair_blocks=k.pair_blocks,
+            pair_combine=k.pair_combine,
         )
         return kh.export_moe_bf16(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)
 
     def workspace_spec(self, max_tokens: int) -> list[Any]:
         g = self.geometry
         k = self.knobs
+        counters = kh.pair_combine_counters(g.num_experts, g.top_k, g.hidden, k.fc2_tile_n) if k.pair_combine else 0
         return kh.moe_bf16_workspace_spec(
-            max_tokens, g.hidden, g.intermediate, g.num_experts, g.top_k, k.tile_m, k.num_sms, k.cluster_m
+            max_tokens, g.hidden, g.intermediate, g.num_experts, g.top_k, k.tile_m, k.num_sms, k.cluster_m, counters
         )
 
     @property

@@ -132,6 +132,8 @@ BF16_KNOBS: tuple[KnobSpec, ...] = (
              why="warps per FC1 unit of the fused decode kernel (None: all of the CTA's)"),
     KnobSpec("pair_blocks", PERFORMANCE, (False, True), None,
              why="the chain without a routing kernel, one M block per pair (T * top_k <= num_experts)"),
+    KnobSpec("pair_combine", PERFORMANCE, (False, True), None,
+             why="with pair_blocks, FC2 combines the pairs itself (no combine kernel)"),
     # None = as many stages as shared memory allows; an explicit depth can overflow shared memory,
     # which only the compiler detects, so candidates keep None and explicit depths are for hand tuning.
     KnobSpec("fc1_stages", PERFORMANCE, _STAGES, None, why="FC1 TMA pipeline depth"),
@@ -149,7 +151,7 @@ BF16_KNOBS: tuple[KnobSpec, ...] = (
 #: five of six points (deepseek-v3 16384: 21.7 vs 29.0 ms; qwen3-30b-a3b 16384 lost 4 %); ``mid``
 #: keeps the base defaults (cluster_m=2 was even or slower at T = 1024).
 BF16_PROFILES: dict[str, dict[str, Any]] = {
-    "single": {"tile_m": 64, "fc2_tile_n": 128},  # + fc1_split_n where it pays, pair_blocks (bf16_refine)
+    "single": {"tile_m": 64, "fc2_tile_n": 128},  # + fc1_split_n where it pays, pair_blocks + pair_combine
     "decode": {"tile_m": 64, "fc2_tile_n": 128},
     "mid": {},
     "prefill": {"cluster_m": 2},
@@ -158,20 +160,22 @@ BF16_PROFILES_SOURCE = (
     "H200 sweeps 2026-11-29 (TUNING.md): decode = tile_m 64 / fc2_tile_n 128; mid = defaults; "
     "prefill = cluster_m 2 (drop v4; the cluster pair table of drops v6-v7); single = decode + the FC1 "
     "split where twice FC1's CTAs fit the grid (drop v20, session 12 run 13) + pair_blocks (drop v43, "
-    "session 29: 0.94-0.98x the chain's time at T = 1 on the three bench contracts, outputs bitwise equal)"
+    "session 29: 0.94-0.98x the chain's time at T = 1 on the three bench contracts, outputs bitwise equal) + "
+    "pair_combine (drop v44, session 30: the layer without it 1.00-1.06x slower at T = 1, outputs bitwise equal)"
 )
 
 
 def bf16_refine(geometry: Geometry, bucket: str, knobs: Bf16Knobs) -> Bf16Knobs:
     """The geometry-dependent part of a BF16 profile: in ``single``, the FC1 split where it is valid
     (``is_valid``: gated, the 256 layout, no cluster) and pays (``bf16.split_fc1_pays``), and the chain
-    without its routing kernel (``pair_blocks``) where valid (FC1 gathers, no cluster, top_k <= num_experts)."""
+    without its routing kernel (``pair_blocks``) and its combine kernel (``pair_combine``) where valid (FC1
+    gathers, no cluster, top_k <= num_experts)."""
     if bucket != "single":
         return knobs
     if split_fc1_pays(geometry, knobs):
         split = dataclasses.replace(knobs, fc1_split_n=True)
         knobs = split if is_valid(geometry, split)[0] else knobs
-    pairs = dataclasses.replace(knobs, pair_blocks=True)
+    pairs = dataclasses.replace(knobs, pair_blocks=True, pair_combine=True)
     return pairs if is_valid(geometry, pairs)[0] else knobs
 
 
@@ -327,7 +331,7 @@ def candidates(
     if name == BF16 and bucket_of(tokens) == "single" and "decode_fused" not in pinned:
         # the whole layer in one launch against the chain of kernels (issue #3: keep both, let the tuner
         # choose); only the single bucket, the one its pair limit covers in every layer
-        fused = dataclasses.replace(base, decode_fused=True, pair_blocks=False)  # the chain's knob, unused
+        fused = dataclasses.replace(base, decode_fused=True, pair_blocks=False, pair_combine=False)  # chain's knobs
         if fused not in out and is_valid(geometry, fused, name=name)[0]:
             out.append(fused)
     return out

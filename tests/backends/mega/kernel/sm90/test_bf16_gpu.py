@@ -41,6 +41,18 @@ ACTIVATIONS = [
 TOKENS = (1, 7, 128, 1000, MAX_T)
 ROUTINGS = ("uniform", "skewed", "empty")
 
+#: pair_blocks (the chain without a routing kernel, one M block per pair): 64-row tiles, 128-row tiles (the
+#: second warpgroup's rows all padding) with relu2, and the single bucket's knobs of qwen3-30b-a3b
+PAIR_VARIANTS = [
+    ("small-swiglu-pairs", moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
+        **SMALL, knobs={"tile_m": 64, "pair_blocks": True})),
+    ("small-relu2-pairs", moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
+        **SMALL, activation="relu2", knobs={"tile_m": 128, "pair_blocks": True})),
+    ("qwen3-30b-a3b-pairs", moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
+        2048, 768, 128, 8, "swiglu", knobs={"tile_m": 64, "fc2_tile_n": 128, "fc1_split_n": True,
+                                             "pair_blocks": True})),
+]  # fmt: skip
+
 #: (name, config) of every variant these tests run; the GPU session script prebuilds them.
 GPU_VARIANTS = [
     (f"small-{act}{'' if lim is None else f'-limit{lim:g}'}", moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
@@ -82,16 +94,12 @@ GPU_VARIANTS = [
                                              "decode_stages": 3})),
     ("qwen3-30b-a3b-fused", moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
         2048, 768, 128, 8, "swiglu", knobs={"tile_m": 64, "fc2_tile_n": 128, "decode_fused": True})),
-] + [
-    # pair_blocks (the chain without a routing kernel, one M block per pair): 64-row tiles, 128-row tiles (the
-    # second warpgroup's rows all padding) with relu2, and the single bucket's knobs of qwen3-30b-a3b
-    ("small-swiglu-pairs", moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
-        **SMALL, knobs={"tile_m": 64, "pair_blocks": True})),
-    ("small-relu2-pairs", moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
-        **SMALL, activation="relu2", knobs={"tile_m": 128, "pair_blocks": True})),
-    ("qwen3-30b-a3b-pairs", moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
-        2048, 768, 128, 8, "swiglu", knobs={"tile_m": 64, "fc2_tile_n": 128, "fc1_split_n": True,
-                                             "pair_blocks": True})),
+] + PAIR_VARIANTS + [
+    # pair_combine (FC2 combines the pairs itself): each pair_blocks variant with it (its twin: without)
+    (f"{name}-combine", moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
+        cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.top_k, cfg.activation, cfg.activation_limit,
+        knobs={**cfg.knobs, "pair_combine": True}))
+    for name, cfg in PAIR_VARIANTS
 ]  # fmt: skip
 #: token capacity of the fused variants' layers: T * top_k <= 256 pairs (top_k 8: 32 tokens)
 DECODE_MAX_T = 32
@@ -186,6 +194,34 @@ def test_fused_decode(variant: str, routing: str) -> None:
         _check(layer, cfg, w13, w2, inp)
     for _, ws in layer._backend._by_bucket.values():
         assert ws["meta"][2:4].tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("variant", [n for n, _ in GPU_VARIANTS if n.endswith("-pairs-combine")])
+def test_pair_combine_gives_the_combine_kernels_bits(variant: str) -> None:
+    """``pair_combine`` (FC2 sums a token's pairs itself, the last arrival per N tile) against its twin without it
+    (the combine kernel), same weights and inputs: bitwise equal at every T the layer takes and every routing,
+    and every arrival counter zero again after the calls."""
+    layer, cfg, w13, w2 = _layer(variant)
+    assert all(fe.knobs.pair_combine for fe, _ in layer._backend._by_bucket.values())
+    twin = moe.MoEEpLayer(
+        moe.BootstrapConfig(device="cuda"),
+        moe.FleetParams(cfg.num_experts, capacity(variant), cfg.hidden_size),
+        moe.MoEWeightPack(w13, w2),
+        backend=moe.MegaConfig(dict(GPU_VARIANTS)[variant.removesuffix("-combine")]),
+    )
+    twin.warmup()
+    assert not any(fe.knobs.pair_combine for fe, _ in twin._backend._by_bucket.values())
+    cap = capacity(variant)
+    for routing in ROUTINGS:
+        for i, t in enumerate(sorted({1, 2, cap // 2, cap})):
+            inp = fresh_inputs(cfg, t, routing, seed=zlib.crc32(f"{variant}/combine/{routing}/{i}".encode()))
+            mine = layer.forward(inp).clone()
+            theirs = twin.forward(inp).clone()
+            assert not mine.isnan().any(), (routing, t)
+            assert torch.equal(mine, theirs), (routing, t, (mine.float() - theirs.float()).abs().max().item())
+    for _, ws in layer._backend._by_bucket.values():
+        assert ws["expert_count"].numel() > cfg.num_experts + 1
+        assert not ws["expert_count"].any()
 
 
 @pytest.mark.parametrize("variant", [n for n, _ in GPU_VARIANTS if "pairs" in n])

@@ -154,3 +154,18 @@ def test_pair_blocks_only_for_a_layer_whose_buckets_stay_within_its_rows() -> No
     for bad in ({"pair_blocks": True, "cluster_m": 2}, {"pair_blocks": True, "gather_in_fc1": False}):
         with pytest.raises(MoEEpConfigError, match="pair_blocks needs gather_in_fc1=True and cluster_m=1"):
             tuning.layer_profiles(_config(bad), 128, 1, CTX)
+    with pytest.raises(MoEEpConfigError, match="pair_combine needs pair_blocks=True"):
+        tuning.layer_profiles(_config({"pair_combine": True}), 128, 1, CTX)
+
+
+def test_pair_combine_sizes_its_counters_in_the_shared_workspace() -> None:
+    """``pair_combine``'s arrival counters (one per token of a pair_blocks launch and FC2 N tile) extend
+    ``expert_count`` in its own bucket's workspace spec only; the shared workspace holds the largest."""
+    combined = tuning.layer_profiles(
+        _config({"pair_blocks": True, "pair_combine": True, "fc2_tile_n": 128}), 128, 4, CTX
+    )
+    fe = next(iter(combined.frontends.values()))
+    spec = {s.name: s.shape for s in fe.workspace_spec(4)}
+    assert spec["expert_count"] == (128 + 1 + 16 * (2048 // 128),)
+    plain = next(iter(tuning.layer_profiles(_config({"pair_blocks": True}), 128, 4, CTX).frontends.values()))
+    assert {s.name: s.shape for s in plain.workspace_spec(4)}["expert_count"] == (129,)

@@ -147,6 +147,7 @@ def moe_bf16_workspace_spec(
     tile_m: int,
     num_sms: int = 132,
     cluster_m: int = 1,
+    combine_counters: int = 0,
 ) -> list[BufferSpec]:
     """Workspace buffers of ``Sm90MegaMoEBf16Kernel.__call__``, in call order.
 
@@ -157,7 +158,9 @@ def moe_bf16_workspace_spec(
 
     - pair_row [max_tokens*K] int32: row of pair (t, k) at index t*K + k
     - pair_rank [max_tokens*K] int32: rank of a pair inside its routing CTA's chunk
-    - expert_count [E+1] int32: ZERO-INITIALIZED ONCE; pairs per expert (+ a CTA done-counter)
+    - expert_count [E+1+combine_counters] int32: ZERO-INITIALIZED ONCE; pairs per expert, a CTA done-counter,
+      then the arrival counters of FC2's own combine (``Sm90MegaMoEBf16Kernel.pair_combine``; their number is
+      ``pair_combine_counters``, 0 without it)
     - cta_base [num_sms, E] int32: first slot of each routing CTA inside each expert segment
     - expert_off [E] int32: first row of each (padded) expert segment
     - m_block_expert [M_cap/tile_m * cluster_m] int32: per M block, expert | (rows holding real
@@ -173,7 +176,7 @@ def moe_bf16_workspace_spec(
     return [
         BufferSpec("pair_row", (max(1, max_tokens) * top_k,), "int32"),
         BufferSpec("pair_rank", (max(1, max_tokens) * top_k,), "int32"),
-        BufferSpec("expert_count", (num_experts + 1,), "int32"),
+        BufferSpec("expert_count", (num_experts + 1 + combine_counters,), "int32"),
         BufferSpec("cta_base", (num_sms, num_experts), "int32"),
         BufferSpec("expert_off", (num_experts,), "int32"),
         BufferSpec("m_block_expert", (m_cap // tile_m * cluster_m,), "int32"),
@@ -181,6 +184,12 @@ def moe_bf16_workspace_spec(
         BufferSpec("a_buf", (m_cap, hidden), "bfloat16"),
         BufferSpec("h_buf", (m_cap, inter), "bfloat16"),
     ]
+
+
+def pair_combine_counters(num_experts: int, top_k: int, hidden: int, fc2_tile_n: int) -> int:
+    """Arrival counters of FC2's own combine (``pair_combine``): one per (token, FC2 N tile) of the most tokens
+    a ``pair_blocks`` launch takes (``T * top_k <= num_experts``)."""
+    return num_experts // top_k * (hidden // fc2_tile_n)
 
 
 def swap_split_workspace(num_sms: int, tok_tile: int, split_k: int) -> tuple[int, int]:

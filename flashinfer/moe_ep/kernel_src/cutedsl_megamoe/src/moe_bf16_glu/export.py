@@ -24,7 +24,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
-from ..common import constants
+from ..common import constants, host_utils
 from .kernel import Sm90MegaMoEBf16Kernel
 
 
@@ -52,6 +52,9 @@ def fake_arguments(kernel: Sm90MegaMoEBf16Kernel, hidden: int, inter: int, num_e
     m_cap = cute.sym_int()
     tn, tk = kernel.fc1.layout_tile_n, constants.TILE_K
     w13_shape = (num_experts, n1 // tn, hidden // tk, tn, tk) if kernel.fc1_tiled else (num_experts, n1, hidden)
+    combine_counters = (
+        host_utils.pair_combine_counters(num_experts, top_k, hidden, kernel.fc2.tile_n) if kernel.pair_combine else 0
+    )
 
     def mat(dtype: Any, shape: tuple) -> Any:
         order = tuple(range(len(shape) - 1, -1, -1))  # row-major
@@ -66,7 +69,7 @@ def fake_arguments(kernel: Sm90MegaMoEBf16Kernel, hidden: int, inter: int, num_e
         mat(bf16, (t, hidden)),  # out
         mat(i32, (cute.sym_int(),)),  # pair_row
         mat(i32, (cute.sym_int(),)),  # pair_rank
-        mat(i32, (num_experts + 1,)),  # expert_count
+        mat(i32, (num_experts + 1 + combine_counters,)),  # expert_count
         mat(i32, (kernel.num_sms, num_experts)),  # cta_base
         mat(i32, (num_experts,)),  # expert_off
         mat(i32, (cute.sym_int(),)),  # m_block_expert

@@ -30,6 +30,12 @@ C[rows of M block b] = A[rows of b] @ B[expert(b)].T for every M block b of the 
   the weights without a second weight layout. Each stage loads two ``tile_n / 2``-row boxes, the
   gate rows and the up rows of one half of a layout block, into the two halves of the B stage: the
   tile then looks like one interleaved per ``tile_n`` to the MMA and the epilogue.
+- ``pair_combine`` (FC2 with ``pair_blocks``): the combine happens here, not in a kernel of its own. A
+  tile's one real row (row 0: lanes 0-3 of the first consumer warp) goes to y as bf16 with plain stores (the
+  padding rows are not stored); the warp fences and counts itself in at the (token, N tile)'s counter
+  (``counters[E + 1 + t * n_tiles + n]``, acq_rel); the last of the token's ``top_k`` arrivals reads the k
+  rows back past L1 and stores ``out[t] = bf16(sum_k w[t,k] * y_k)``, k in order, one FMA each from zero: the
+  combine kernel's arithmetic, so the same bits whichever CTA is last. It zeroes the counter again.
 - ``gather_a`` (FC1 at world size 1): A rows come straight from the token matrix ``x`` through
   ``row_token`` (the token of every real row of the permuted row space), so no gathered copy of
   the activations is written and read back. The whole producer warpgroup loads them with 16-byte
@@ -65,6 +71,46 @@ from ..src import activations
 EPI_PLAIN = "plain"
 
 
+def st_global_bf16x2(addr: cutlass.Int64, lo: cutlass.Float32, hi: cutlass.Float32) -> None:
+    """Store ``lo`` and ``hi`` rounded to BF16 (to nearest even) as one 32-bit word at ``addr`` (``lo`` first)."""
+    cute.arch.inline_ptx(
+        "{ .reg .b32 t; cvt.rn.bf16x2.f32 t, {$r2}, {$r1}; st.global.b32 [{$r0}], t; }",
+        read_only_args=[addr, lo, hi],
+    )
+
+
+def ld_global_cg_b32(addr: cutlass.Int64) -> cutlass.Int32:
+    """32 bits at ``addr`` from L2 (``ld.global.cg``: past L1, which other SMs' stores do not update)."""
+    return cute.arch.inline_ptx(
+        "ld.global.cg.b32 {$w0}, [{$r0}];", write_only_types=[cutlass.Int32], read_only_args=[addr]
+    )
+
+
+def bf16_lo_to_f32(word: cutlass.Int32) -> cutlass.Float32:
+    """The low BF16 of a 32-bit word as fp32 (exact)."""
+    return cute.arch.inline_ptx(
+        "{ .reg .b32 t; shl.b32 t, {$r0}, 16; mov.b32 {$w0}, t; }",
+        write_only_types=[cutlass.Float32],
+        read_only_args=[word],
+    )
+
+
+def bf16_hi_to_f32(word: cutlass.Int32) -> cutlass.Float32:
+    """The high BF16 of a 32-bit word as fp32 (exact)."""
+    return cute.arch.inline_ptx(
+        "{ .reg .b32 t; and.b32 t, {$r0}, 0xFFFF0000; mov.b32 {$w0}, t; }",
+        write_only_types=[cutlass.Float32],
+        read_only_args=[word],
+    )
+
+
+def fma_f32(a: cutlass.Float32, b: cutlass.Float32, c: cutlass.Float32) -> cutlass.Float32:
+    """``a * b + c`` rounded once (the combine kernel's FFMA)."""
+    return cute.arch.inline_ptx(
+        "fma.rn.f32 {$w0}, {$r0}, {$r1}, {$r2};", write_only_types=[cutlass.Float32], read_only_args=[a, b, c]
+    )
+
+
 def cp_async_16(dst_smem: cutlass.Int32, src_gmem: cutlass.Int64) -> None:
     """16 bytes global -> shared, cached in L2 only; the thread's next
     ``cp.async.mbarrier.arrive`` fires once it has landed."""
@@ -90,9 +136,13 @@ class GroupedGemmSm90:
         early_b: bool = False,
         trigger_after_wait: bool = False,
         pair_blocks: bool = False,
+        pair_combine: bool = False,
     ) -> None:
         if pair_blocks and cluster_m != 1:
             raise ValueError("pair_blocks needs cluster_m=1")
+        if pair_combine and not (pair_blocks and epilogue == EPI_PLAIN):
+            raise ValueError("pair_combine needs pair_blocks and the plain epilogue (FC2)")
+        self.pair_combine = pair_combine
         # pair_blocks: M block b is pair b of topk_ids (expert topk_ids.flat[b], one real row: token b // K);
         # no routing kernel writes a block map (the chain's one-token path)
         self.pair_blocks = pair_blocks
@@ -225,10 +275,14 @@ class GroupedGemmSm90:
         x: cute.Tensor | None = None,
         row_token: cute.Tensor | None = None,
         topk_ids: cute.Tensor | None = None,
+        out: cute.Tensor | None = None,
+        topk_weights: cute.Tensor | None = None,
+        counters: cute.Tensor | None = None,
     ) -> None:
         """Trace-time: build TMA descriptors and launch the persistent kernel on ``stream``.
         With ``gather_a``, ``a`` only sets the operand type: A rows come from ``x`` [T, H] through
-        ``row_token`` [M_cap] int32 (no TMA descriptor over ``x``: T may be 0)."""
+        ``row_token`` [M_cap] int32 (no TMA descriptor over ``x``: T may be 0). With ``pair_combine``,
+        ``out`` [T, H], ``topk_weights`` [T, K] and ``counters`` (the workspace's ``expert_count``)."""
         self._setup(a, b, c)
         a_smem_one = cute.slice_(self.a_smem_layout, (None, None, 0))
         b_smem_one = cute.slice_(self.b_smem_layout, (None, None, 0))
@@ -260,6 +314,8 @@ class GroupedGemmSm90:
             x, row_token = a, meta  # unused placeholders
         if cutlass.const_expr(not self.pair_blocks):
             topk_ids = meta  # unused placeholder
+        if cutlass.const_expr(not self.pair_combine):
+            out, topk_weights, counters = c, meta, meta  # unused placeholders
 
         @cute.struct
         class SharedStorage:
@@ -282,6 +338,9 @@ class GroupedGemmSm90:
             x,
             row_token,
             topk_ids,
+            out,
+            topk_weights,
+            counters,
             self.tiled_mma,
             self.tiled_mma_out,
             self.a_smem_layout,
@@ -312,6 +371,9 @@ class GroupedGemmSm90:
         mX: cute.Tensor,
         row_token: cute.Tensor,
         topk_ids: cute.Tensor,
+        mOut: cute.Tensor,
+        topk_weights: cute.Tensor,
+        counters: cute.Tensor,
         tiled_mma: cute.TiledMma,
         tiled_mma_out: cute.TiledMma,
         a_smem_layout: cute.ComposedLayout,
@@ -616,7 +678,12 @@ class GroupedGemmSm90:
                 self._epilogue_math(acc, acc_out)
 
                 # ---- store
-                if cutlass.const_expr(self.epi_direct):
+                if cutlass.const_expr(self.pair_combine):
+                    if warp_idx == self.threads_per_wg // 32:  # the first consumer warp: row 0 in lanes 0-3
+                        self._combine_pair(
+                            acc, mC_plain, mOut, topk_weights, counters, m_blk, n_blk, n_tiles, cute.size(mB, mode=[2])
+                        )
+                elif cutlass.const_expr(self.epi_direct):
                     if active:
                         tDgC = thr_store.partition_D(gC_plain[(None, None, m_blk, n_blk)])
                         r_out.store(acc_out.load().to(self.c_dtype))
@@ -781,6 +848,58 @@ class GroupedGemmSm90:
             self.epi_barrier.arrive_and_wait()
             epi_count += 1
         return epi_count
+
+    @cute.jit
+    def _combine_pair(
+        self,
+        acc: cute.Tensor,
+        mY: cute.Tensor,
+        mOut: cute.Tensor,
+        topk_weights: cute.Tensor,
+        counters: cute.Tensor,
+        m_blk: cutlass.Int32,
+        n_blk: cutlass.Int32,
+        n_tiles: cutlass.Int32,
+        num_experts: cutlass.Int32,
+    ) -> None:
+        """``pair_combine``, one warp (the first consumer warp: lanes 0-3 hold row 0 of the accumulator, columns
+        ``8 j + 2 lane + (0, 1)``): store pair ``m_blk``'s row to y, count it in, and if it is the token's last
+        pair of this N tile, combine the token's ``top_k`` rows of the tile into ``out`` (module docstring)."""
+        lane = cute.arch.lane_idx()
+        top_k = topk_weights.shape[1]
+        hidden = mOut.shape[1]
+        tok = m_blk // top_k
+        col0 = n_blk * self.tile_n
+        y_base = mY.iterator.toint()
+        if lane < 4:
+            row = y_base + (cutlass.Int64(m_blk * self.tile_m) * hidden + col0 + 2 * lane) * 2
+            for j in cutlass.range_constexpr(self.tile_n // 8):
+                st_global_bf16x2(row + j * 16, acc[((0, 0, j), 0, 0)], acc[((1, 0, j), 0, 0)])
+        cute.arch.fence_acq_rel_gpu()  # this lane's stores before the count (each lane fences its own)
+        cute.arch.sync_warp()
+        counter = (counters.iterator + num_experts + 1 + tok * n_tiles + n_blk).llvm_ptr
+        arrived = cutlass.Int32(0)
+        if lane == 0:
+            arrived = cute.arch.atomic_add(counter, cutlass.Int32(1), sem="acq_rel", scope="gpu")
+        arrived = cute.arch.shuffle_sync(arrived, 0)
+        if arrived == top_k - 1:
+            cute.arch.fence_acq_rel_gpu()
+            if lane == 0:
+                cute.arch.store(counter, cutlass.Int32(0))  # every arrival of this call is in: zero for the next
+            # lane l sums the bf16 pairs (words) l, l + 32, ... of the tile's columns over the k rows
+            for i in cutlass.range_constexpr(self.tile_n // 64):
+                col = col0 + 2 * (lane + 32 * i)
+                words = []
+                for k in cutlass.range_constexpr(top_k):
+                    y_row = cutlass.Int64((tok * top_k + k) * self.tile_m)
+                    words.append(ld_global_cg_b32(y_base + (y_row * hidden + col) * 2))
+                lo = cutlass.Float32(0.0)
+                hi = cutlass.Float32(0.0)
+                for k in cutlass.range_constexpr(top_k):
+                    w = topk_weights[tok, k]
+                    lo = fma_f32(w, bf16_lo_to_f32(words[k]), lo)
+                    hi = fma_f32(w, bf16_hi_to_f32(words[k]), hi)
+                st_global_bf16x2(mOut.iterator.toint() + (cutlass.Int64(tok) * hidden + col) * 2, lo, hi)
 
     def _epilogue_math(self, acc: cute.Tensor, acc_out: cute.Tensor) -> None:
         """Fill the fp32 output fragment from the accumulator (trace-time unrolled)."""

@@ -12,7 +12,8 @@
 3. FC1 grouped GEMM with the activation fused in the epilogue -> ``h_buf`` [M_cap, I]; its A rows
    come from ``x`` through ``row_token`` (or from ``a_buf``);
 4. FC2 grouped GEMM -> ``a_buf`` reused as y [M_cap, H];
-5. combine: ``out[t] = bf16(sum_k w[t,k] * y[pair_row[t,k]])``, k in order, no atomics.
+5. combine: ``out[t] = bf16(sum_k w[t,k] * y[pair_row[t,k]])``, k in order, no atomics on data
+   (``pair_combine``: done by FC2 itself, not launched).
 
 The token count T is a symbolic extent: one compiled library serves every 0 <= T <= max_tokens,
 where max_tokens sized the workspace (``common.host_utils.moe_bf16_workspace_spec``).
@@ -99,6 +100,11 @@ class Sm90MegaMoEBf16Kernel:
         Every pair then reads its expert's weights alone, so it is meant for one token; the caller must keep
         ``T * top_k <= num_experts`` (the workspace's rows). Needs ``gather_in_fc1`` and ``cluster_m=1``.
         Session 29: outputs bitwise the chain's, 0.94-0.98x its time at T = 1 on the three bench contracts.
+    :param pair_combine: with ``pair_blocks``, FC2 does the combine and the combine kernel is not launched: the
+        warp holding a pair's row stores it (bf16) to y, counts itself in at the (token, N tile)'s counter in
+        ``expert_count[E + 1:]`` (``host_utils.pair_combine_counters``; zero on entry, zeroed again), and the
+        last of the token's ``top_k`` arrivals sums the rows in k order as the combine kernel does (the same
+        bits; deterministic whichever CTA is last).
     :param stage_mask: debugging/profiling only: bit i enables stage i (routing, gather, FC1,
         FC2, combine); anything but 0b11111 gives wrong results (and masking out routing leaves
         ``expert_count`` non-zero).
@@ -135,11 +141,15 @@ class Sm90MegaMoEBf16Kernel:
         decode_stages: int = 4,
         decode_k_warps: int | None = None,
         pair_blocks: bool = False,
+        pair_combine: bool = False,
     ) -> None:
         early = fc2_early_weights and cluster_m == 1 and use_pdl
         if pair_blocks and not (gather_in_fc1 and cluster_m == 1):
             raise ValueError("pair_blocks needs gather_in_fc1 and cluster_m=1")
+        if pair_combine and not pair_blocks:
+            raise ValueError("pair_combine needs pair_blocks")
         self.pair_blocks = pair_blocks
+        self.pair_combine = pair_combine
         self.sized_grids = sized_grids
         self.route_maps_rows = route_maps_rows
         if activation not in constants.ACTIVATIONS:
@@ -189,7 +199,7 @@ class Sm90MegaMoEBf16Kernel:
         )
         self.fc2 = GroupedGemmSm90(
             tile_m, fc2_tile_n, EPI_PLAIN, None, num_sms, fc2_stages, epi_direct, cluster_m, pair_by_expert,
-            early_b=early, pair_blocks=pair_blocks,
+            early_b=early, pair_blocks=pair_blocks, pair_combine=pair_combine,
         )  # fmt: skip
 
     @staticmethod
@@ -301,9 +311,10 @@ class Sm90MegaMoEBf16Kernel:
             )
         if cutlass.const_expr(self.stage_mask & 8):
             self.fc2.launch(
-                h_buf, self._expert_major_view(w2), a_buf, m_block_expert, meta, stream, pdl, topk_ids=topk_ids
-            )
-        if cutlass.const_expr(self.stage_mask & 16):
+                h_buf, self._expert_major_view(w2), a_buf, m_block_expert, meta, stream, pdl, topk_ids=topk_ids,
+                out=out, topk_weights=topk_weights, counters=expert_count,
+            )  # fmt: skip
+        if cutlass.const_expr(self.stage_mask & 16 and not self.pair_combine):
             pair_rows = self.tile_m if self.pair_blocks else 0
             aux_kernels.combine_kernel(
                 a_buf, pair_row, topk_weights, out, topk_ids.shape[1], self.aux_vpt, pair_rows
