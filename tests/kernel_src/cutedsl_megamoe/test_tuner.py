@@ -161,8 +161,9 @@ def test_defaults_are_the_declared_profiles() -> None:
 
 
 def test_the_single_bucket_runs_the_chain_without_its_routing_and_combine_kernels() -> None:
-    """``pair_blocks`` and ``pair_combine`` in ``single`` (one token: its pairs' experts are distinct) wherever it is valid, on every
-    contract; never in a larger bucket (its launch limit T * top_k <= num_experts); not without the gather."""
+    """``pair_blocks`` and ``pair_combine`` in ``single`` (one token: its pairs' experts are distinct) wherever it
+    is valid, on every contract; never in a larger bucket (its launch limit T * top_k <= num_experts); not without
+    the gather."""
     for c in CONTRACTS.values():
         g = drop.Geometry(c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit)
         single = tuner.default_knobs(g, 1)
