@@ -179,9 +179,7 @@ class Bf16Frontend(KernelFrontend):
 
     @property
     def launch_token_limit(self) -> tuple[int, str, str] | None:
-        """(the most tokens one launch of this knob set takes, the knob that sets it, its rule), or None (any
-        T): ``decode_fused``'s pair limit, else ``pair_blocks``' workspace rows. ``launch`` and the layer's
-        token buckets check T against it."""
+        """``decode_fused``'s pair limit, else ``pair_blocks``' workspace rows (``KernelFrontend``)."""
         if self.knobs.decode_fused:
             return self.decode_max_tokens, "decode_fused", f"T * top_k <= {kh.constants.DECODE_MAX_PAIRS}"
         if self.knobs.pair_blocks:
@@ -260,13 +258,7 @@ class Bf16Frontend(KernelFrontend):
     def _check_launch(self, x: torch.Tensor) -> None:
         """T within the knob set's per-launch limit (``launch_token_limit``); ``decode_fused``: its grid
         co-resident (a grid barrier)."""
-        limit = self.launch_token_limit
-        if limit is not None and x.shape[0] > limit[0]:
-            most, knob, rule = limit
-            raise ValueError(
-                f"{knob} serves at most {most} tokens per launch ({rule}), got T={x.shape[0]}: use a knob set "
-                "without it for this token count"
-            )
+        self.check_launch_tokens(x.shape[0])
         if self.knobs.decode_fused and x.is_cuda and self._decode_sms_checked != x.device:
             sms = torch.cuda.get_device_properties(x.device).multi_processor_count
             if self.knobs.num_sms > sms:

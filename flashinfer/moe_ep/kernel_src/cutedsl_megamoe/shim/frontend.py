@@ -207,6 +207,22 @@ class KernelFrontend(abc.ABC):
     def allocate_workspace(self, max_tokens: int, device: torch.device) -> Workspace:
         return allocate_shared_workspace([self], max_tokens, device)[0]
 
+    @property
+    def launch_token_limit(self) -> tuple[int, str, str] | None:
+        """(the most tokens one launch of this knob set takes, the knob that sets it, its rule), or None (any
+        T). ``launch`` and the layers' token buckets check T against it."""
+        return None
+
+    def check_launch_tokens(self, tokens: int) -> None:
+        """Raise ValueError before a launch of ``tokens`` tokens beyond ``launch_token_limit``."""
+        limit = self.launch_token_limit
+        if limit is not None and tokens > limit[0]:
+            most, knob, rule = limit
+            raise ValueError(
+                f"{knob} serves at most {most} tokens per launch ({rule}), got T={tokens}: use a knob set "
+                "without it for this token count"
+            )
+
     @staticmethod
     def check_workspace_tokens(tokens: int, workspace: dict[str, torch.Tensor]) -> None:
         """Raise ValueError before any launch when ``workspace`` was sized for fewer than ``tokens``

@@ -53,7 +53,12 @@ class QuantKnobs:
     size 1): FC1 and FC2 as the drop's expert GEMV (``moe_quant_glu.gemv``: every warp streams its
     weight rows into shared memory with ``cp.async`` and multiplies them with ``mma.sync``; for T <= 4),
     ``gemv_k_warps`` warps per CTA splitting K (2, 4, 8, 16), ``gemv_stages`` the depth of each warp's
-    ring (2+; warps times stages are bounded by shared memory); the early-weight knobs apply to it alike."""
+    ring (2+; warps times stages are bounded by shared memory); the early-weight knobs apply to it alike.
+    ``pair_blocks`` (with ``gemv``, world size 1; drop v45): the GEMVs' pair chain for one token: M block b
+    is pair b of ``topk_ids``, FC1 prepares its token's row itself (no routing, no gather kernel), so
+    FC1 is the layer's first kernel (``fc1_early_weights`` and ``gather_early_rows`` off); it serves
+    ``T * top_k <= num_experts`` (the workspace's rows; ``launch_token_limit``). ``pair_combine`` (with
+    ``pair_blocks``): FC2 combines the pairs itself (the combine kernel's bits), no combine kernel."""
 
     tile_m: int = 128
     fc1_tile_n: int = 256
@@ -73,6 +78,8 @@ class QuantKnobs:
     gemv: bool = False
     gemv_k_warps: int = 4
     gemv_stages: int = 2
+    pair_blocks: bool = False
+    pair_combine: bool = False
 
     @property
     def grid(self) -> int:
@@ -152,6 +159,7 @@ class QuantFrontend(KernelFrontend):
             raise ValueError(f"swap_wg must be 1, 2 or 4 and swap_atoms 1, 2 or 4, got {k.swap_wg} and {k.swap_atoms}")
         if k.gemv:  # first: its tile rule differs from the swap-AB GEMMs'
             self._check_gemv()
+        self._check_pairs()
         if not 0 <= k.swap_stagger <= MAX_SWAP_STAGGER:
             raise ValueError(f"swap_stagger must be 0 to {MAX_SWAP_STAGGER} K tiles, got {k.swap_stagger}")
         if k.swap_ab and not k.gemv:
@@ -196,7 +204,9 @@ class QuantFrontend(KernelFrontend):
             raise ValueError(f"gemv_k_warps must be 2, 4, 8 or 16, got {k.gemv_k_warps}")
         if k.gemv_stages < 2:
             raise ValueError(f"gemv_stages must be 2 or more, got {k.gemv_stages}")
-        smem = kh.gemv_shared_bytes(self.fmt, k.tile_m, k.gemv_k_warps, k.gemv_stages)
+        # FC2's CTA (token chunks in the ring); with pair_blocks FC1's holds the token row (K = H) instead
+        rows = (0, g.hidden) if k.pair_blocks else (0,)
+        smem = max(kh.gemv_shared_bytes(self.fmt, k.tile_m, k.gemv_k_warps, k.gemv_stages, row) for row in rows)
         if smem > kh.SM90_SMEM_BYTES:
             raise ValueError(
                 f"gemv_k_warps={k.gemv_k_warps} with {k.tile_m}-token blocks and gemv_stages={k.gemv_stages} needs "
@@ -211,6 +221,32 @@ class QuantFrontend(KernelFrontend):
             raise ValueError(
                 f"gemv ({self.fmt}) needs H and I multiples of {unit}, got {g.hidden} and {g.intermediate}"
             )
+
+    def _check_pairs(self) -> None:
+        k, g = self.knobs, self.geometry
+        if k.pair_blocks and not k.gemv:
+            raise ValueError("pair_blocks needs gemv=True (the GEMV's pair chain)")
+        if k.pair_blocks and (k.fc1_early_weights or k.gather_early_rows):
+            raise ValueError(
+                "pair_blocks makes FC1 the layer's first kernel (it reads topk_ids after its wait, and there is no "
+                "gather): set fc1_early_weights=False and gather_early_rows=False"
+            )
+        if k.pair_combine and not k.pair_blocks:
+            raise ValueError("pair_combine needs pair_blocks=True")
+        if k.pair_blocks and self.pair_blocks_max_tokens < 1:
+            raise ValueError(f"pair_blocks takes T * top_k <= num_experts; top_k={g.top_k} > {g.num_experts}")
+
+    @property
+    def pair_blocks_max_tokens(self) -> int:
+        """The most tokens a ``pair_blocks`` launch takes (``T * top_k <= num_experts``: the workspace's rows)."""
+        return self.local_experts // self.geometry.top_k
+
+    @property
+    def launch_token_limit(self) -> tuple[int, str, str] | None:
+        """``pair_blocks``' workspace rows (``KernelFrontend``)."""
+        if self.knobs.pair_blocks:
+            return self.pair_blocks_max_tokens, "pair_blocks", "T * top_k <= num_experts"
+        return None
 
     def kernel_kwargs(self) -> dict[str, Any]:
         """The constructor keywords of the drop's block-scaled kernels that this frontend fixes (the
@@ -241,14 +277,21 @@ class QuantFrontend(KernelFrontend):
             gemv=k.gemv,
             gemv_k_warps=k.gemv_k_warps,
             gemv_stages=k.gemv_stages,
+            pair_blocks=k.pair_blocks,
+            pair_combine=k.pair_combine,
         )
         return kh.export_moe_quant(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)
 
     def workspace_spec(self, max_tokens: int) -> list[Any]:
         g, k = self.geometry, self.knobs
+        counters = (
+            kh.pair_combine_counters(g.num_experts, g.top_k, g.hidden, kh.constants.GEMV_ROW_WARP_ROWS)
+            if k.pair_combine
+            else 0
+        )
         return kh.moe_quant_workspace_spec(
             max_tokens, g.hidden, g.intermediate, g.num_experts, g.top_k, k.tile_m, k.num_sms, k.gather_in_fc1,
-            k.swap_split_k,
+            k.swap_split_k, counters,
         )  # fmt: skip
 
     def prepare_weights(
@@ -287,6 +330,7 @@ class QuantFrontend(KernelFrontend):
         scales in ``x_scale`` (uint8 [T, H/32] UE8M0, [T, H/16] E4M3); otherwise ``x_scale`` is any
         uint8 tensor (not read). ``act_gscale``: fp32 [2], the NVFP4 global scales of the FC1 and FC2
         inputs (ignored by MXFP8)."""
+        self.check_launch_tokens(x.shape[0])
         self.check_workspace_tokens(x.shape[0], workspace)
         fn = self.load()
         fn(

@@ -22,6 +22,7 @@ from flashinfer.moe_ep.backends.mega.kernel.sm90.block_scaled import (
     FRONTENDS,
     EpPlacement,
     bucket_frontends,
+    check_launch_limits,
     ep_buckets,
     ep_token_bucket,
     make_frontend,
@@ -328,6 +329,65 @@ def test_gemv_knob_validation(fmt: str) -> None:
         bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs=base), 4, EpPlacement(2))
 
 
+PAIR_KNOBS = {"swap_ab": True, "tile_m": 8, "gemv": True, "fc2_early_weights": True, "pair_blocks": True}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_pair_knob_validation(fmt: str) -> None:
+    """``pair_blocks`` (drop v45) needs the GEMV and makes FC1 the layer's first kernel (no early FC1
+    weights, no gather to start early); ``pair_combine`` needs ``pair_blocks``; a launch takes ``T * top_k <=
+    num_experts`` (checked before the launch, and at construction where a layer's capacity exceeds it); the
+    EP frontends refuse them (the GEMV is a world-size-1 knob)."""
+    cfg = CONFIG[fmt](256, 128, 8, 2, knobs={**PAIR_KNOBS, "pair_combine": True})
+    (fe,) = set(bucket_frontends(cfg, 8).values())
+    assert fe.launch_token_limit == (4, "pair_blocks", "T * top_k <= num_experts")
+    fe.check_launch_tokens(4)
+    with pytest.raises(ValueError, match=r"pair_blocks serves at most 4 tokens per launch .* got T=5"):
+        fe.check_launch_tokens(5)
+    check_launch_limits(cfg, {b.name: fe for b in BUCKETS}, 8, 4)
+    with pytest.raises(MoEEpConfigError, match="pair_blocks serves at most 4 tokens.*max_tokens_per_rank=5"):
+        check_launch_limits(cfg, {b.name: fe for b in BUCKETS}, 8, 5)
+    for bad, match in (
+        ({"gemv": False, "tile_m": 16}, "pair_blocks needs gemv=True"),
+        ({"fc1_early_weights": True}, "fc1_early_weights=False and gather_early_rows=False"),
+        ({"gather_early_rows": True}, "fc1_early_weights=False and gather_early_rows=False"),
+        ({"pair_blocks": False, "pair_combine": True}, "pair_combine needs pair_blocks=True"),
+    ):
+        with pytest.raises(MoEEpConfigError, match=match):
+            bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={**PAIR_KNOBS, **bad}), 8)
+    ep_knobs = {k: v for k, v in PAIR_KNOBS.items() if k != "fc2_early_weights"}
+    with pytest.raises(MoEEpConfigError, match="gemv is a world-size-1 knob"):
+        bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs=ep_knobs), 4, EpPlacement(2))
+    # the default buckets leave them off (no device measured them yet)
+    assert not any(b.knobs_for(fmt).get("pair_blocks") for b in BUCKETS)
+
+
+def test_gemv_shared_bytes_of_the_pair_chain() -> None:
+    """A GEMV CTA's shared memory: per warp and ring stage 4 KB of weight data, 1 KB of scale words and the token
+    chunks of its 8-token block (MXFP8 1 KB, NVFP4 2 KB), then 2 KB of fp32 partials per warp (16 a lane); the
+    pair chain's FC1 (``gather_x``: ``token_row`` = K > 0) holds the token row (2 bytes an element) instead of
+    the chunks."""
+    assert kh.gemv_shared_bytes("nvfp4", 8, 4, 2) == 4 * 2 * (4096 + 1024 + 2048) + 4 * 2048
+    assert kh.gemv_shared_bytes("mxfp8", 8, 4, 2) == 4 * 2 * (4096 + 1024 + 1024) + 4 * 2048
+    for fmt in FORMATS:
+        assert kh.gemv_shared_bytes(fmt, 8, 8, 2, 2048) == 8 * 2 * (4096 + 1024) + 8 * 2048 + 2 * 2048
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_pair_combine_sizes_its_counters(fmt: str) -> None:
+    """``pair_combine``'s arrival counters (one per token of a ``pair_blocks`` launch and 64-row row warp of
+    FC2) extend ``expert_count``; without it ``expert_count`` is E + 1; the shared workspace holds the larger."""
+    cfg = CONFIG[fmt](256, 128, 8, 2)
+    combined = make_frontend(cfg, 8, {**PAIR_KNOBS, "pair_combine": True})
+    plain = make_frontend(cfg, 8, PAIR_KNOBS)
+    assert kh.constants.GEMV_ROW_WARP_ROWS == 64
+    assert {s.name: s.shape for s in combined.workspace_spec(4)}["expert_count"] == (8 + 1 + 4 * (256 // 64),)
+    assert {s.name: s.shape for s in plain.workspace_spec(4)}["expert_count"] == (9,)
+    assert combined.key.digest() != plain.key.digest()
+    views = drop.allocate_shared_workspace([combined, plain], 4, torch.device("cpu"))
+    assert views[0]["expert_count"].shape == (25,) and int(views[0]["expert_count"].abs().sum()) == 0
+
+
 def test_swap_tile_plan() -> None:
     """(atoms of 64 weight rows per warpgroup, warpgroups per CTA) of the swap-AB GEMMs."""
     plan = kh.swap_tile_plan
@@ -593,6 +653,27 @@ def test_split_k_counts_parts_with_one_atomic_per_gemm(tmp_path: Path) -> None:
         ]
     assert ops[1] == [(0, False), (0, False)]
     assert ops[2] == [(1, True), (0, False)]
+
+
+@pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")
+@pytest.mark.skipif(kernel_resources.find_cuobjdump() is None, reason="needs cuobjdump (pip install .[test])")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_pair_chain_is_two_gemvs(tmp_path: Path, fmt: str) -> None:
+    """``pair_blocks`` + ``pair_combine`` (drop v45): the layer is FC1 and FC2 alone (no routing, gather or
+    combine kernel), FC1 quantizes its token row with shuffles for the block amax and one CTA barrier before
+    its K loop, FC2 counts arrivals with one reply-awaited atomic (``ATOMG``) and FC1 has none; nothing
+    spills. Without ``pair_combine`` the combine kernel follows."""
+    pairs = json.dumps(PAIR_KNOBS)
+    both = json.dumps({**PAIR_KNOBS, "pair_combine": True})
+    lib = _swap_gemm_lib(tmp_path / "both", both, fmt)
+    sass = kernel_resources.kernel_sass(lib)
+    assert [k.split("#")[0] for k in sass] == ["GemvDequantSm90", "GemvDequantSm90"], list(sass)
+    fc1, fc2 = sass.values()
+    assert [sum(bool(re.search(r"\bATOMG\b", line)) for line in code) for code in (fc1, fc2)] == [0, 1]
+    assert any("SHFL.BFLY" in line for line in fc1)
+    assert all(r.spill_bytes == 0 for r in kernel_resources.kernel_resources(lib))
+    names = list(kernel_resources.kernel_sass(_swap_gemm_lib(tmp_path / "pairs", pairs, fmt)))
+    assert [k.split("#")[0] for k in names] == ["GemvDequantSm90", "GemvDequantSm90", "combine_kernel"], names
 
 
 @pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")

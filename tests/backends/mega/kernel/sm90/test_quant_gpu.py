@@ -76,6 +76,9 @@ GEMV_KNOBS = {
     "fc2_early_weights": True,
     "gather_early_rows": True,
 }
+#: the GEMV's pair chain without its combine (``QuantKnobs.pair_blocks``): FC1 is the layer's first kernel, so
+#: no early FC1 weights and no gather to start early
+PAIR_KNOBS = {"tile_m": 8, "swap_ab": True, "gemv": True, "fc2_early_weights": True, "pair_blocks": True}
 #: (name, fmt, geometry) of every variant these tests run; the GPU session script prebuilds them
 #: (the NVFP4 scales are runtime tensors: they do not change the compiled kernel).
 GPU_VARIANTS = [
@@ -183,7 +186,42 @@ GPU_VARIANTS = [
     (f"{fmt}-preq-swiglu", fmt, {**SMALL, "activation": "swiglu", "activation_limit": None,
                                  "prequantized_input": True})
     for fmt in FORMATS
+] + [
+    # the GEMV with codes and block scales: the pair chain's twin (built for test_pair_chain_gives_the_gemvs_bits)
+    (f"{fmt}-preq-swiglu-gemv", fmt, {**SMALL, "activation": "swiglu", "activation_limit": None,
+                                      "prequantized_input": True, "knobs": GEMV_KNOBS})
+    for fmt in FORMATS
+] + [
+    # the GEMV's pair chain (drop v45): FC1 prepares its token's row, FC2 combines ("-combine"); every
+    # activation with the combine, swiglu also without it (the combine kernel), codes and scales in, and
+    # qwen3-30b-a3b (its T = 1 bucket's GEMV). Token capacity: T * top_k <= num_experts (``capacity``).
+    (f"{fmt}-small-{act}{'' if lim is None else f'-limit{lim:g}'}-pairs-combine", fmt,
+     {**SMALL, "activation": act, "activation_limit": lim, "knobs": {**PAIR_KNOBS, "pair_combine": True}})
+    for fmt in FORMATS for act, lim in ACTIVATIONS
+] + [
+    (f"{fmt}-small-swiglu-pairs", fmt, {**SMALL, "activation": "swiglu", "activation_limit": None,
+                                        "knobs": PAIR_KNOBS})
+    for fmt in FORMATS
+] + [
+    (f"{fmt}-preq-swiglu-pairs-combine", fmt, {**SMALL, "activation": "swiglu", "activation_limit": None,
+                                               "prequantized_input": True,
+                                               "knobs": {**PAIR_KNOBS, "pair_combine": True}})
+    for fmt in FORMATS
+] + [
+    (f"{fmt}-qwen3-30b-a3b-pairs-combine", fmt, {"hidden_size": 2048, "intermediate_size": 768, "num_experts": 128,
+                                                 "top_k": 8, "activation": "swiglu", "activation_limit": None,
+                                                 "knobs": {**PAIR_KNOBS, "pair_combine": True}})
+    for fmt in FORMATS
 ]  # fmt: skip
+
+
+def capacity(name: str) -> int:
+    """The token capacity of a test variant's layer: the pair chain's ``T * top_k <= num_experts``, else MAX_T."""
+    if "-pairs" in name:
+        geometry = next(v[2] for v in GPU_VARIANTS if v[0] == name)
+        return geometry["num_experts"] // geometry["top_k"]
+    return MAX_T
+
 
 _layers: dict[str, tuple] = {}
 
@@ -206,15 +244,21 @@ def _layer(name: str):
         calib = make_hidden_states(256, geometry["hidden_size"], generator=g, device="cuda")
         scales = calibrated_scales(fmt, geometry, q, calib)
         cfg = _config(fmt, geometry, **scales)
-        layer = moe.MoEEpLayer(
-            moe.BootstrapConfig(device="cuda"),
-            moe.FleetParams(cfg.num_experts, MAX_T, cfg.hidden_size),
-            moe.MoEWeightPack(q.w13, q.w2, q.w13_scale, q.w2_scale, q.w13_global_scale, q.w2_global_scale),
-            backend=moe.MegaConfig(cfg),
-        )
-        layer.warmup()
+        layer = _layer_of(cfg, q, capacity(name))
         _layers[name] = (layer, cfg, q, scales)
     return _layers[name]
+
+
+def _layer_of(cfg, q, max_tokens: int = MAX_T) -> moe.MoEEpLayer:
+    """A warmed-up layer of ``cfg`` on the quantized weights ``q``."""
+    layer = moe.MoEEpLayer(
+        moe.BootstrapConfig(device="cuda"),
+        moe.FleetParams(cfg.num_experts, max_tokens, cfg.hidden_size),
+        moe.MoEWeightPack(q.w13, q.w2, q.w13_scale, q.w2_scale, q.w13_global_scale, q.w2_global_scale),
+        backend=moe.MegaConfig(cfg),
+    )
+    layer.warmup()
+    return layer
 
 
 def format_units(out: torch.Tensor, ref: torch.Tensor, term_scale: torch.Tensor, fmt: str) -> float:
@@ -250,7 +294,9 @@ def _check(name: str, inp, ref_x=None) -> None:
     assert torch.equal(out, again), "two runs on the same inputs differ"
 
 
-@pytest.mark.parametrize("variant", [v[0] for v in GPU_VARIANTS if "-small" in v[0] or "-split" in v[0]])
+@pytest.mark.parametrize(
+    "variant", [v[0] for v in GPU_VARIANTS if ("-small" in v[0] or "-split" in v[0]) and "-pairs" not in v[0]]
+)
 @pytest.mark.parametrize("routing", ROUTINGS)
 def test_small_every_activation(variant: str, routing: str) -> None:
     for i, t in enumerate(TOKENS):
@@ -354,6 +400,73 @@ def test_split_k_graph_replay_and_counters(variant: str, t: int) -> None:
     for bucket, ws in layer._backend.workspace.items():
         assert ws["split_count"].numel() > 1, bucket
         assert int(ws["split_count"].abs().sum()) == 0, bucket
+
+
+PAIR_VARIANTS = [v[0] for v in GPU_VARIANTS if "-pairs" in v[0]]
+
+
+def _pair_inputs(cfg, name: str, t: int, routing: str, tag: str):
+    """Fresh inputs of the pair chain's tests: bf16 activations, or for a pre-quantized variant their codes
+    of the kernel's own rule (``_prequantized`` "ocp") with the reference's input."""
+    inp = fresh_inputs(cfg, t, routing, seed=zlib.crc32(f"{name}/{tag}/{routing}/{t}".encode()))
+    if not cfg.prequantized_input:
+        return inp, None
+    codes, sc, ref_x = _prequantized(cfg, inp.hidden_states, "ocp", seed=t)
+    return moe.MoEEpTensors(codes, inp.topk_ids, inp.topk_weights, scales=sc), ref_x
+
+
+@pytest.mark.parametrize("variant", PAIR_VARIANTS)
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_pair_chain(variant: str, routing: str) -> None:
+    """The GEMV's pair chain (``pair_blocks``, drop v45: no routing, no gather; ``-combine``: no combine kernel)
+    at every T its layer takes (T = 0 too), uniform, one hot expert and empty experts: against the
+    reference (``_check``: poisoned output, format units, a second run bitwise equal); the arrival counters
+    are zero after every call; a graph replay equals eager; a launch past the token limit raises before
+    anything runs."""
+    layer, cfg, _, _ = _layer(variant)
+    assert all(fe.knobs.pair_blocks for fe in layer._backend.frontends.values())
+    cap = capacity(variant)
+    for t in sorted({0, 1, 2, cap // 2, cap}):
+        inp, ref_x = _pair_inputs(cfg, variant, t, routing, "check")
+        if t == 0:
+            assert layer.forward(inp).shape == (0, cfg.hidden_size)
+            continue
+        _check(variant, inp, ref_x)
+    for bucket, ws in layer._backend.workspace.items():
+        extra = ws["expert_count"][cfg.num_experts + 1 :]
+        assert extra.numel() == (cap * (cfg.hidden_size // 64) if "-combine" in variant else 0), bucket
+        assert not ws["expert_count"].any(), bucket
+    if routing == "uniform" and not cfg.prequantized_input:
+        _graph_replay_equals_eager(variant, 1)
+        be = layer._backend
+        fe, ws = next(iter(be.frontends.values())), next(iter(be.workspace.values()))
+        inp = fresh_inputs(cfg, cap + 1, "uniform", seed=5)
+        out = torch.full((cap + 1, cfg.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
+        with pytest.raises(ValueError, match="pair_blocks serves at most"):
+            fe.launch(
+                inp.hidden_states, be.no_scales, inp.topk_ids, inp.topk_weights, be.weights, be.act_gscale, out, ws
+            )
+        assert bool(out.isnan().all()), "a refused launch wrote its output"
+
+
+@pytest.mark.parametrize("variant", PAIR_VARIANTS)
+def test_pair_chain_gives_the_gemvs_bits(variant: str) -> None:
+    """The pair chain against the routed GEMV chain (``GEMV_KNOBS``: routing, gather, the same two GEMVs,
+    combine) on the same weights and inputs: FC1's token row is the gather's (the same functions), the
+    GEMVs multiply and sum the same way, FC2's combine is the combine kernel's FMA chain, so the outputs
+    are bitwise equal at every T the pair layer takes, in every routing."""
+    layer, cfg, q, _ = _layer(variant)
+    twin = _layer_of(dataclasses.replace(cfg, knobs=GEMV_KNOBS), q)
+    assert all(fe.knobs.gemv and not fe.knobs.pair_blocks for fe in twin._backend.frontends.values())
+    cap = capacity(variant)
+    for routing in ROUTINGS:
+        for t in sorted({1, 2, cap // 2, cap}):
+            inp, _ = _pair_inputs(cfg, variant, t, routing, "twin")
+            mine = layer.forward(inp).clone()
+            theirs = twin.forward(inp).clone()
+            assert not mine.isnan().any(), (routing, t)
+            assert torch.equal(mine, theirs), (routing, t, (mine.float() - theirs.float()).abs().max().item())
+    twin.destroy()
 
 
 def _graph_replay_equals_eager(name: str, t: int) -> None:

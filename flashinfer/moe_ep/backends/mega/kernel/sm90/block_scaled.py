@@ -125,6 +125,7 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
         # One frontend per token bucket (one weight layout: the tiles differ, not the packing), chosen
         # per forward from the host-side T; one workspace serves all of them.
         self.frontends = bucket_frontends(self.config, self.num_local_experts)
+        check_launch_limits(self.config, self.frontends, self.num_local_experts, self.fleet.max_tokens_per_rank)
         self.frontend = self.frontends[BUCKETS[-1].name]  # the weight layout (every bucket packs alike)
         self.weights: Any = None
         self.workspace: dict[str, torch.Tensor] = {}
@@ -388,6 +389,8 @@ WORLD1_KNOBS = (
     "gemv",
     "gemv_k_warps",
     "gemv_stages",
+    "pair_blocks",
+    "pair_combine",
 )
 #: the knobs of the fallback buckets (over the defaults)
 FALLBACKS = {"decode": {"tile_m": 64}, "prefill": {}}
@@ -439,6 +442,29 @@ def bucket_frontends(
                 fallbacks[b.fallback] = make_frontend(config, num_local_experts, FALLBACKS[b.fallback] or None, ep)
             fronts[b.name] = fallbacks[b.fallback]
     return fronts
+
+
+def check_launch_limits(
+    config: Sm90BlockScaledConfig, frontends: dict[str, Any], num_local_experts: int, max_tokens: int
+) -> None:
+    """Raise ``MoEEpConfigError`` at construction where a bucket's knobs take fewer tokens per launch
+    (``launch_token_limit``: ``pair_blocks``) than the bucket reaches in a layer of ``max_tokens`` tokens
+    (explicit knobs serve every T)."""
+    explicit = any(k not in EP_KNOBS for k in (config.knobs or {}))
+    for b in BUCKETS:
+        fe = frontends.get(b.name)
+        limit = None if fe is None else fe.launch_token_limit
+        if limit is None:
+            continue
+        bound = None if explicit else b.format_max_pairs.get(config.weight_format, b.max_pairs_per_expert)
+        reach = max_tokens if bound is None else min(max_tokens, math.floor(bound * num_local_experts / config.top_k))
+        if reach > limit[0]:
+            most, knob, rule = limit
+            where = "these knobs serve every T" if explicit else f"token bucket {b.name!r} reaches T={reach}"
+            raise MoEEpConfigError(
+                f"{config.kernel_name}: {knob} serves at most {most} tokens per launch ({rule}, top_k={config.top_k}), "
+                f"but {where} (max_tokens_per_rank={max_tokens}): give it other knobs or a smaller token capacity"
+            )
 
 
 @dataclass(frozen=True)
@@ -513,6 +539,7 @@ __all__ = [
     "EP_FRONTENDS",
     "EP_KNOBS",
     "EpPlacement",
+    "check_launch_limits",
     "ep_buckets",
     "ep_token_bucket",
     "FALLBACKS",

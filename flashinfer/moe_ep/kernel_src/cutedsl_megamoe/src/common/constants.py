@@ -59,6 +59,9 @@ E2M1_PAIR_TERMS = (
 SWAP_TOKEN_TILES = (16, 32, 64, 128)
 # Rows of one gate/up block of a gated w13 as the swap-AB kernel reads it (gate rows, then up rows).
 SWAP_GATE_UP_BLOCK = 256
+# Weight rows per row warp of the block-scaled GEMV (``moe_quant_glu.gemv``: four 16-row MMA atoms); its
+# ``pair_combine`` counts one arrival per (token, row warp) of FC2
+GEMV_ROW_WARP_ROWS = 64
 # K parts per CTA tile of the swap-AB kernel's split K (``split_k``), its counters per tile (one per
 # consumer warpgroup, at most 4) and the most weight rows of a swap-AB CTA (4 warpgroups x 2 atoms,
 # or 2 x 4, of 64 rows), which bounds the partial accumulators of one work unit.

@@ -69,14 +69,16 @@ def max_rows(max_tokens: int, top_k: int, num_experts: int, tile_m: int, cluster
 SM90_SMEM_BYTES = 227 * 1024
 
 
-def gemv_shared_bytes(fmt: str, tok_tile: int, k_warps: int, stages: int) -> int:
+def gemv_shared_bytes(fmt: str, tok_tile: int, k_warps: int, stages: int, token_row: int = 0) -> int:
     """Shared memory of a ``moe_quant_glu.gemv`` CTA: each warp's ``stages``-deep ring (per stage the 16
     data bytes and a scale word of its 8 weight rows per lane, and the token chunks of every 8-column
-    group: 2 (MXFP8) or 4 (NVFP4) 16-byte chunks per lane), and the K slices' fp32 partial sums."""
+    group: 2 (MXFP8) or 4 (NVFP4) 16-byte chunks per lane), the K slices' fp32 partial sums; with
+    ``gather_x`` (``token_row`` > 0) the prepared token row of ``token_row`` (K) BF16 elements instead of
+    the ring's token chunks."""
     groups = tok_tile // 8
-    chunks = 2 if fmt == "mxfp8" else 4
+    chunks = 0 if token_row else (2 if fmt == "mxfp8" else 4)
     stage = 8 * 32 * 16 + 8 * 32 * 4 + groups * chunks * 32 * 16
-    return k_warps * stages * stage + k_warps * 16 * groups * 32 * 4
+    return k_warps * stages * stage + k_warps * 16 * groups * 32 * 4 + 2 * token_row
 
 
 def decode_shared_bytes(warps: int, stages: int, top_k: int) -> int:
@@ -213,10 +215,13 @@ def moe_quant_workspace_spec(
     num_sms: int = 132,
     gather_in_fc1: bool = False,
     split_k: int = 1,
+    combine_counters: int = 0,
 ) -> list[BufferSpec]:
     """Workspace buffers of ``moe_quant_glu.Sm90MegaMoEQuantKernel.__call__``, in call order: those of
     ``moe_bf16_workspace_spec`` (``cluster_m`` 1; ``a_buf`` holds the row -> token map with
-    ``gather_in_fc1``, else the prepared activations of the pairs), then
+    ``gather_in_fc1``, else the prepared activations of the pairs; ``expert_count`` extended by the
+    ``combine_counters`` of ``pair_combine``: ``pair_combine_counters(E, K, H, 64)``, one per token and
+    64-column row warp of the GEMV's FC2), then
 
     - x_rows [max_tokens, H] bf16: with ``gather_in_fc1`` each token's prepared activation row (FC1
       gathers from it); otherwise one row, not read
@@ -224,7 +229,7 @@ def moe_quant_workspace_spec(
       element without ``split_k``)
     - split_count int32: ZERO-INITIALIZED ONCE; the split-K part counters (every call leaves them zero)
     """
-    spec = moe_bf16_workspace_spec(max_tokens, hidden, inter, num_experts, top_k, tile_m, num_sms, 1)
+    spec = moe_bf16_workspace_spec(max_tokens, hidden, inter, num_experts, top_k, tile_m, num_sms, 1, combine_counters)
     rows = max(1, max_tokens) if gather_in_fc1 else 1
     partials, counters = swap_split_workspace(num_sms, tile_m, split_k)
     return [

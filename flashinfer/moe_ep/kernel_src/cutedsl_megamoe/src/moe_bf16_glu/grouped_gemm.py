@@ -35,7 +35,8 @@ C[rows of M block b] = A[rows of b] @ B[expert(b)].T for every M block b of the 
   padding rows are not stored); the warp fences and counts itself in at the (token, N tile)'s counter
   (``counters[E + 1 + t * n_tiles + n]``, acq_rel); the last of the token's ``top_k`` arrivals reads the k
   rows back past L1 and stores ``out[t] = bf16(sum_k w[t,k] * y_k)``, k in order, one FMA each from zero: the
-  combine kernel's arithmetic, so the same bits whichever CTA is last. It zeroes the counter again.
+  combine kernel's arithmetic, so the same bits whichever CTA is last. It zeroes the counter again (the
+  counting and the sums: ``src.pair_combine``, shared with the block-scaled GEMV).
 - ``gather_a`` (FC1 at world size 1): A rows come straight from the token matrix ``x`` through
   ``row_token`` (the token of every real row of the permuted row space), so no gathered copy of
   the activations is written and read back. The whole producer warpgroup loads them with 16-byte
@@ -67,48 +68,9 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..common import constants
 from ..src import activations
+from ..src.pair_combine import combine_word, count_in, publish_stores, reset_counter, st_global_bf16x2
 
 EPI_PLAIN = "plain"
-
-
-def st_global_bf16x2(addr: cutlass.Int64, lo: cutlass.Float32, hi: cutlass.Float32) -> None:
-    """Store ``lo`` and ``hi`` rounded to BF16 (to nearest even) as one 32-bit word at ``addr`` (``lo`` first)."""
-    cute.arch.inline_ptx(
-        "{ .reg .b32 t; cvt.rn.bf16x2.f32 t, {$r2}, {$r1}; st.global.b32 [{$r0}], t; }",
-        read_only_args=[addr, lo, hi],
-    )
-
-
-def ld_global_cg_b32(addr: cutlass.Int64) -> cutlass.Int32:
-    """32 bits at ``addr`` from L2 (``ld.global.cg``: past L1, which other SMs' stores do not update)."""
-    return cute.arch.inline_ptx(
-        "ld.global.cg.b32 {$w0}, [{$r0}];", write_only_types=[cutlass.Int32], read_only_args=[addr]
-    )
-
-
-def bf16_lo_to_f32(word: cutlass.Int32) -> cutlass.Float32:
-    """The low BF16 of a 32-bit word as fp32 (exact)."""
-    return cute.arch.inline_ptx(
-        "{ .reg .b32 t; shl.b32 t, {$r0}, 16; mov.b32 {$w0}, t; }",
-        write_only_types=[cutlass.Float32],
-        read_only_args=[word],
-    )
-
-
-def bf16_hi_to_f32(word: cutlass.Int32) -> cutlass.Float32:
-    """The high BF16 of a 32-bit word as fp32 (exact)."""
-    return cute.arch.inline_ptx(
-        "{ .reg .b32 t; and.b32 t, {$r0}, 0xFFFF0000; mov.b32 {$w0}, t; }",
-        write_only_types=[cutlass.Float32],
-        read_only_args=[word],
-    )
-
-
-def fma_f32(a: cutlass.Float32, b: cutlass.Float32, c: cutlass.Float32) -> cutlass.Float32:
-    """``a * b + c`` rounded once (the combine kernel's FFMA)."""
-    return cute.arch.inline_ptx(
-        "fma.rn.f32 {$w0}, {$r0}, {$r1}, {$r2};", write_only_types=[cutlass.Float32], read_only_args=[a, b, c]
-    )
 
 
 def cp_async_16(dst_smem: cutlass.Int32, src_gmem: cutlass.Int64) -> None:
@@ -293,7 +255,9 @@ class GroupedGemmSm90:
                 self.b_layout, (self.tile_m, self.tile_n // 2, self.tile_k), self.ab_dtype, 1
             )
             tma_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(), b, cute.slice_(b_half_layout, (None, None, 0)),
+                cpasync.CopyBulkTensorTileG2SOp(),
+                b,
+                cute.slice_(b_half_layout, (None, None, 0)),
                 (self.tile_n // 2, self.tile_k),
             )
         else:
@@ -525,8 +489,19 @@ class GroupedGemmSm90:
                         if warp_idx == 0:
                             ab_pipe.producer_acquire(prod_state)
                             self._load_b(
-                                ab_pipe, prod_state, tma_b, tBgB, tBsB, tBgB_other, tBsB_other, n_blk, k, expert,
-                                share_b, b_mcast_mask, b_self_mask,
+                                ab_pipe,
+                                prod_state,
+                                tma_b,
+                                tBgB,
+                                tBsB,
+                                tBgB_other,
+                                tBsB_other,
+                                n_blk,
+                                k,
+                                expert,
+                                share_b,
+                                b_mcast_mask,
+                                b_self_mask,
                             )
                         dst = a_smem + prod_state.index * stage_bytes + group * 128 + swz
                         col = k * k_bytes + chunk * 16
@@ -801,11 +776,17 @@ class GroupedGemmSm90:
                 )
             else:
                 cute.copy(
-                    tma_b, tBgB[(None, n_blk, k, expert)], tBsB[(None, state.index)], tma_bar_ptr=bar,
+                    tma_b,
+                    tBgB[(None, n_blk, k, expert)],
+                    tBsB[(None, state.index)],
+                    tma_bar_ptr=bar,
                     mcast_mask=self_mask,
                 )
                 cute.copy(
-                    tma_b, tBgB_other[(None, n_blk, k, expert)], tBsB_other[(None, state.index)], tma_bar_ptr=bar,
+                    tma_b,
+                    tBgB_other[(None, n_blk, k, expert)],
+                    tBsB_other[(None, state.index)],
+                    tma_bar_ptr=bar,
                     mcast_mask=self_mask,
                 )
 
@@ -875,31 +856,14 @@ class GroupedGemmSm90:
             row = y_base + (cutlass.Int64(m_blk * self.tile_m) * hidden + col0 + 2 * lane) * 2
             for j in cutlass.range_constexpr(self.tile_n // 8):
                 st_global_bf16x2(row + j * 16, acc[((0, 0, j), 0, 0)], acc[((1, 0, j), 0, 0)])
-        cute.arch.fence_acq_rel_gpu()  # this lane's stores before the count (each lane fences its own)
-        cute.arch.sync_warp()
+        publish_stores()
         counter = (counters.iterator + num_experts + 1 + tok * n_tiles + n_blk).llvm_ptr
-        arrived = cutlass.Int32(0)
-        if lane == 0:
-            arrived = cute.arch.atomic_add(counter, cutlass.Int32(1), sem="acq_rel", scope="gpu")
-        arrived = cute.arch.shuffle_sync(arrived, 0)
-        if arrived == top_k - 1:
-            cute.arch.fence_acq_rel_gpu()
-            if lane == 0:
-                cute.arch.store(counter, cutlass.Int32(0))  # every arrival of this call is in: zero for the next
+        if count_in(counter, top_k):
+            reset_counter(counter)
             # lane l sums the bf16 pairs (words) l, l + 32, ... of the tile's columns over the k rows
             for i in cutlass.range_constexpr(self.tile_n // 64):
                 col = col0 + 2 * (lane + 32 * i)
-                words = []
-                for k in cutlass.range_constexpr(top_k):
-                    y_row = cutlass.Int64((tok * top_k + k) * self.tile_m)
-                    words.append(ld_global_cg_b32(y_base + (y_row * hidden + col) * 2))
-                lo = cutlass.Float32(0.0)
-                hi = cutlass.Float32(0.0)
-                for k in cutlass.range_constexpr(top_k):
-                    w = topk_weights[tok, k]
-                    lo = fma_f32(w, bf16_lo_to_f32(words[k]), lo)
-                    hi = fma_f32(w, bf16_hi_to_f32(words[k]), hi)
-                st_global_bf16x2(mOut.iterator.toint() + (cutlass.Int64(tok) * hidden + col) * 2, lo, hi)
+                combine_word(y_base, mOut, hidden, topk_weights, tok, top_k, self.tile_m, col)
 
     def _epilogue_math(self, acc: cute.Tensor, acc_out: cute.Tensor) -> None:
         """Fill the fp32 output fragment from the accumulator (trace-time unrolled)."""

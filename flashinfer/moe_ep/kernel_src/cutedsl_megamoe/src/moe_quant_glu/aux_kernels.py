@@ -84,7 +84,7 @@ def quant_gather_kernel(
     first_base = first - lane  # warp-uniform
     if cutlass.const_expr(early_rows):
         if first_base < slots:
-            _qdq_slot(x, cutlass.min(first_base + lane, slots - 1), nitem, lanes, j, frag, vals, qfrag, fmt, gs)
+            qdq_slot(x, cutlass.min(first_base + lane, slots - 1), nitem, lanes, j, frag, vals, qfrag, fmt, gs)
         wait_for_routing(trigger_after_wait)
     # Warp-uniform trip count (the shuffles need every lane); lanes past the end redo the last slot and store nothing.
     for base in cutlass.range(first_base, slots, stride):
@@ -93,9 +93,9 @@ def quant_gather_kernel(
         g = slot // lanes - t * nitem
         if cutlass.const_expr(early_rows):
             if base != first_base:  # the first item is in qfrag already
-                _qdq_slot(x, slot, nitem, lanes, j, frag, vals, qfrag, fmt, gs)
+                qdq_slot(x, slot, nitem, lanes, j, frag, vals, qfrag, fmt, gs)
         else:
-            _qdq_slot(x, slot, nitem, lanes, j, frag, vals, qfrag, fmt, gs)
+            qdq_slot(x, slot, nitem, lanes, j, frag, vals, qfrag, fmt, gs)
         _store_lane(
             qfrag, t, g, j, lane - j, base + lane < slots, topk_ids, pair_rank, expert_off, cta_base, pair_row, a_buf,
             chunk, row_token, per_token,
@@ -103,7 +103,7 @@ def quant_gather_kernel(
 
 
 @cute.jit
-def _qdq_slot(x, slot, nitem, lanes: cutlass.Constexpr, j, frag, vals, qfrag, fmt: cutlass.Constexpr, gs) -> None:
+def qdq_slot(x, slot, nitem, lanes: cutlass.Constexpr, j, frag, vals, qfrag, fmt: cutlass.Constexpr, gs) -> None:
     """Lane ``j``'s part of the item in ``slot`` of ``quant_gather_kernel``, quantized-dequantized into ``qfrag``
     (the block amax over the item's lanes: every lane of the warp takes part)."""
     per_lane = ITEM // lanes
@@ -151,7 +151,7 @@ def dequant_gather_kernel(
     per_lane = ITEM // lanes
     lane = cute.arch.lane_idx()
     j = lane % lanes
-    lane_bytes = _item_bytes(fmt) // lanes  # 8 lanes: MXFP8 4 codes, NVFP4 2 bytes of E2M1 pairs
+    lane_bytes = item_bytes(fmt) // lanes  # 8 lanes: MXFP8 4 codes, NVFP4 2 bytes of E2M1 pairs
     raw = cute.make_rmem_tensor((1, lane_bytes), cutlass.Uint8)
     vals = cute.make_rmem_tensor((1, per_lane), cutlass.Float32)
     qfrag = cute.make_rmem_tensor((1, per_lane), a_buf.element_type)
@@ -160,7 +160,7 @@ def dequant_gather_kernel(
     if cutlass.const_expr(early_rows):
         if first_base < slots:
             slot0 = cutlass.min(first_base + lane, slots - 1)
-            _dequant_slot(xq, x_scale, slot0, nitem, lanes, j, lane_bytes, raw, vals, qfrag, fmt)
+            dequant_slot(xq, x_scale, slot0, nitem, lanes, j, lane_bytes, raw, vals, qfrag, fmt)
         wait_for_routing(trigger_after_wait)
     for base in cutlass.range(first_base, slots, stride):  # warp-uniform, as in quant_gather_kernel
         slot = cutlass.min(base + lane, slots - 1)
@@ -168,9 +168,9 @@ def dequant_gather_kernel(
         g = slot // lanes - t * nitem
         if cutlass.const_expr(early_rows):
             if base != first_base:  # the first item is in qfrag already
-                _dequant_slot(xq, x_scale, slot, nitem, lanes, j, lane_bytes, raw, vals, qfrag, fmt)
+                dequant_slot(xq, x_scale, slot, nitem, lanes, j, lane_bytes, raw, vals, qfrag, fmt)
         else:
-            _dequant_slot(xq, x_scale, slot, nitem, lanes, j, lane_bytes, raw, vals, qfrag, fmt)
+            dequant_slot(xq, x_scale, slot, nitem, lanes, j, lane_bytes, raw, vals, qfrag, fmt)
         _store_lane(
             qfrag, t, g, j, lane - j, base + lane < slots, topk_ids, pair_rank, expert_off, cta_base, pair_row, a_buf,
             chunk, row_token, per_token,
@@ -178,7 +178,7 @@ def dequant_gather_kernel(
 
 
 @cute.jit
-def _dequant_slot(
+def dequant_slot(
     xq,
     x_scale,
     slot,
@@ -226,7 +226,7 @@ def quant_rows_kernel(
         num_tokens = live_count(live_tokens, x.shape[0])
         nitem = x_sym.shape[1] // ITEM
         frag = cute.make_rmem_tensor((1, ITEM), x_sym.element_type)
-        raw = cute.make_rmem_tensor((1, _item_bytes(fmt)), cutlass.Uint8)
+        raw = cute.make_rmem_tensor((1, item_bytes(fmt)), cutlass.Uint8)
         vals = cute.make_rmem_tensor((1, ITEM), cutlass.Float32)
         qfrag = cute.make_rmem_tensor((1, ITEM), x_sym.element_type)
         gs = None  # the NVFP4 per-tensor constants
@@ -250,7 +250,7 @@ def gather_threads(num_tokens, hidden: int, per_token: bool = False):
     return num_tokens * (hidden // ITEM) * item_lanes(per_token)
 
 
-def _item_bytes(fmt: str) -> int:
+def item_bytes(fmt: str) -> int:
     """Code bytes of one item: 32 E4M3 codes, or 16 bytes of E2M1 pairs."""
     return ITEM if fmt == constants.FMT_MXFP8 else ITEM // 2
 
@@ -279,11 +279,11 @@ def _qdq_item(x, t, g, frag, vals, fmt: str, gs) -> None:
 def _dequant_item(xq, x_scale, t, g, raw, vals, fmt: str) -> None:
     """Item ``g`` of token ``t`` from its codes and block scales into ``vals`` (fp32, exact): MXFP8
     ``e4m3 * 2**(s - 127)``, NVFP4 ``e2m1 * e4m3 block scale`` (the global scale stays with the GEMMs)."""
-    nraw = _item_bytes(fmt) // 16
+    nraw = item_bytes(fmt) // 16
     for j in range(nraw):
         cute.autovec_copy(cute.local_tile(xq, (1, 16), (t, g * nraw + j)), cute.local_tile(raw, (1, 16), (0, j)))
     scales = ITEM // constants.QUANT_BLOCK[fmt]  # block scales per item: MXFP8 1, NVFP4 2
-    per_scale = _item_bytes(fmt) // scales  # code bytes under one scale
+    per_scale = item_bytes(fmt) // scales  # code bytes under one scale
     for b in range(scales):
         _dequant_codes(raw, b * per_scale, per_scale, cutlass.Uint32(x_scale[t, g * scales + b]), vals, fmt)
 

@@ -19,7 +19,7 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from ..common import constants
-from ..common.host_utils import swap_tile_plan
+from ..common.host_utils import pair_combine_counters, swap_tile_plan
 from ..moe_bf16_glu.export import link_library
 from .kernel import Sm90MegaMoEQuantKernel
 
@@ -58,12 +58,15 @@ def fake_arguments(kernel: Sm90MegaMoEQuantKernel, hidden: int, inter: int, num_
     t = cute.sym_int()
     m_cap = cute.sym_int()
     mat = _matrix
+    counters = (
+        pair_combine_counters(num_experts, top_k, hidden, constants.GEMV_ROW_WARP_ROWS) if kernel.pair_combine else 0
+    )
     return [
         *operand_fake_arguments(kernel, hidden, inter, num_experts, top_k, t),
         mat(bf16, (t, hidden)),  # out
         mat(i32, (cute.sym_int(),)),
         mat(i32, (cute.sym_int(),)),
-        mat(i32, (num_experts + 1,)),
+        mat(i32, (num_experts + 1 + counters,)),  # expert_count
         mat(i32, (kernel.num_sms, num_experts)),
         mat(i32, (num_experts,)),
         mat(i32, (cute.sym_int(),)),

@@ -38,6 +38,21 @@ qwen3-30b-a3b T = 1, not faster at larger T or on the larger models:
 ``griddepcontrol.wait`` (they join the first unit's ``cp.async`` group)
 (the block map read with ld.relaxed.gpu: the kernel before must trigger its dependents after its own
 wait, as for ``swap_gemm``'s ``early_w``).
+
+The pair chain (``pair_blocks``, for one token; the BF16 kernel's ``pair_blocks`` / ``pair_combine``
+for this GEMV): M block b is pair b of ``topk_ids`` (its expert, one real token column: token
+``b // top_k``), so no routing kernel runs before FC1, and
+
+- ``gather_x`` (FC1, the layer's first kernel): the CTA prepares its token's activation row itself,
+  after ``griddepcontrol.wait``: every warp quantizes-dequantizes (or, ``prequantized``, dequantizes)
+  items of it with the gather's own functions (``aux_kernels.qdq_slot`` / ``dequant_slot``, so the
+  same BF16 values) into a row in shared memory, while the first units' weight copies are in flight;
+  a CTA barrier, then every lane takes its token fragments from that row (all eight token columns
+  the same row: the padding columns compute copies that are never read). No gather kernel runs.
+- ``pair_combine`` (FC2): after warp 0's epilogue has stored the pair's y row, the last of the
+  token's ``top_k`` units of a row warp sums the token's k rows of those 64 columns into ``out``
+  (``src.pair_combine``: the combine kernel's bits), with a counter per (token, row warp) in
+  ``counters[E + 1:]``. No combine kernel runs.
 """
 
 import cutlass
@@ -47,10 +62,12 @@ from cutlass import Float32, Int32, Int64, Uint32
 from ..common import constants
 from ..common.host_utils import SM90_SMEM_BYTES, gemv_shared_bytes
 from ..src import block_quant as bq
+from ..src.pair_combine import combine_word, count_in, publish_stores, reset_counter
 from ..src.warp_ring import cp_async, cp_async_commit, cp_async_wait, mma_bf16_16816
-from .swap_gemm import SwapDequantGemmSm90
+from .aux_kernels import ITEM, TOKEN_LANES, dequant_slot, item_bytes, qdq_slot
+from .swap_gemm import EPI_PLAIN, SwapDequantGemmSm90
 
-ROW_WARP_ROWS = 64  # weight rows per row warp (four 16-row MMA atoms)
+ROW_WARP_ROWS = constants.GEMV_ROW_WARP_ROWS  # weight rows per row warp (four 16-row MMA atoms)
 GEMV_K_WARPS = (2, 4, 8, 16)
 GEMV_TOKEN_TILES = (8, 16)
 
@@ -71,8 +88,22 @@ class GemvDequantSm90(SwapDequantGemmSm90):
         early_w: bool = False,
         trigger_after_wait: bool = False,
         stages: int = 2,
+        pair_blocks: bool = False,
+        gather_x: bool = False,
+        prequantized: bool = False,
+        pair_combine: bool = False,
     ) -> None:
         super().__init__(fmt, 16, epilogue, limit, 1, requant=requant, gscale_index=gscale_index)
+        if (gather_x or pair_combine) and not pair_blocks:
+            raise ValueError("gather_x and pair_combine need pair_blocks")
+        if gather_x and early_w:
+            raise ValueError("gather_x (the layer's first kernel) reads topk_ids only after its wait: no early_w")
+        if pair_combine and epilogue != EPI_PLAIN:
+            raise ValueError("pair_combine needs the plain epilogue (FC2)")
+        self.pair_blocks = pair_blocks
+        self.gather_x = gather_x
+        self.prequantized = prequantized
+        self.pair_combine = pair_combine
         self.tok_tile = tok_tile
         if tok_tile not in GEMV_TOKEN_TILES:
             raise ValueError(f"the GEMV takes M blocks of {GEMV_TOKEN_TILES} tokens, got tok_tile={tok_tile}")
@@ -96,17 +127,25 @@ class GemvDequantSm90(SwapDequantGemmSm90):
         if stages < 2:
             raise ValueError(f"the GEMV ring needs 2 stages at least, got {stages}")
         self.stages = stages
-        # one ring stage of a warp: 16 data bytes and a scale word per (row, lane), then the token chunks
+        # one ring stage of a warp: 16 data bytes and a scale word per (row, lane), then the token chunks (none
+        # with gather_x: the lanes read the token row)
         self.scales_at = 2 * self.atoms * 32 * 16
         self.tokens_at = self.scales_at + 2 * self.atoms * 32 * 4
-        self.stage_bytes = self.tokens_at + self.col_groups * self.x_chunks * 32 * 16
+        self.stage_bytes = self.tokens_at + (0 if gather_x else self.col_groups * self.x_chunks * 32 * 16)
         self.ring_bytes = stages * self.stage_bytes
-        smem = gemv_shared_bytes(fmt, tok_tile, k_warps, stages)
-        assert smem == k_warps * (self.ring_bytes + 4 * self.atoms * self.col_groups * 32 * 4)
+        if not gather_x:  # with it, launch checks (the token row's length is K)
+            self._check_shared_bytes(0)
+
+    def _check_shared_bytes(self, token_row: int) -> None:
+        """The CTA's shared memory (``gemv_shared_bytes``; ``token_row``: gather_x's row of K elements) fits."""
+        smem = gemv_shared_bytes(self.fmt, self.tok_tile, self.k_warps, self.stages, token_row)
+        partials = 4 * self.atoms * self.col_groups * 32 * 4
+        assert smem == self.k_warps * (self.ring_bytes + partials) + 2 * token_row
         if smem > SM90_SMEM_BYTES:
             raise ValueError(
-                f"the GEMV's rings need {smem} bytes of shared memory with {k_warps} warps, {tok_tile}-token "
-                f"blocks and {stages} stages (at most {SM90_SMEM_BYTES}): fewer warps"
+                f"the GEMV's rings need {smem} bytes of shared memory with {self.k_warps} warps, {self.tok_tile}-token "
+                f"blocks, {self.stages} stages{f' and a token row of {token_row}' if token_row else ''} (at most "
+                f"{SM90_SMEM_BYTES}): fewer warps"
             )
 
     def launch(
@@ -122,24 +161,46 @@ class GemvDequantSm90(SwapDequantGemmSm90):
         stream,
         use_pdl: bool = False,
         max_blocks=1,
+        topk_ids: cute.Tensor | None = None,
+        x: cute.Tensor | None = None,
+        x_scale: cute.Tensor | None = None,
+        out: cute.Tensor | None = None,
+        topk_weights: cute.Tensor | None = None,
+        counters: cute.Tensor | None = None,
     ) -> None:
-        """Trace-time: the grid (``max_blocks``, dynamic, bounds the routing's M blocks: ``T * top_k``)."""
+        """Trace-time: the grid (``max_blocks``, dynamic, bounds the M blocks: the routing's, or with
+        ``pair_blocks`` exactly ``T * top_k``). ``pair_blocks``: ``topk_ids`` [T, K]; ``gather_x``: ``x`` [T, H]
+        (bf16, or the codes) and ``x_scale`` (their block scales with ``prequantized``); ``pair_combine``:
+        ``out`` [T, H], ``topk_weights`` [T, K] and ``counters`` (the workspace's ``expert_count``)."""
         n_rows = w_data.shape[2]
         k = w_data.shape[1] * constants.TILE_K
         if n_rows % ROW_WARP_ROWS or (self.gated and n_rows % constants.SWAP_GATE_UP_BLOCK):
             raise ValueError(f"GEMV: N={n_rows} must be a multiple of 64 (gated: of 256)")
         if k % self.unit_k:
             raise ValueError(f"GEMV ({self.fmt}): K={k} must be a multiple of {self.unit_k}")
+        if self.gather_x:
+            self._check_shared_bytes(k)
         row_warps = n_rows // ROW_WARP_ROWS
         n_acc = 4 * self.atoms * self.col_groups
         partial = cute.make_layout((self.k_warps, n_acc, 32), stride=(32 * n_acc, 32, 1))  # lanes contiguous
         self.k = k
-        self.kernel(w_data, w_scale, act, c, m_block_expert, meta, w_gscale, act_gscale, partial, row_warps).launch(
+        if cutlass.const_expr(not self.pair_blocks):
+            topk_ids = meta  # unused placeholder
+        if cutlass.const_expr(not self.gather_x):
+            x, x_scale = act, meta  # unused placeholders
+        elif cutlass.const_expr(not self.prequantized):
+            x_scale = meta  # unused placeholder
+        if cutlass.const_expr(not self.pair_combine):
+            out, topk_weights, counters = c, meta, meta  # unused placeholders
+        self.kernel(
+            w_data, w_scale, act, c, m_block_expert, meta, w_gscale, act_gscale, partial, row_warps, topk_ids, x,
+            x_scale, out, topk_weights, counters,
+        ).launch(
             grid=[cutlass.max(cutlass.min(max_blocks, m_block_expert.shape[0]), 1) * row_warps, 1, 1],
             block=[32 * self.k_warps, 1, 1],
             stream=stream,
             use_pdl=use_pdl,
-        )
+        )  # fmt: skip
 
     # ---------------------------------------------------------------- device code
     @cute.kernel
@@ -155,6 +216,12 @@ class GemvDequantSm90(SwapDequantGemmSm90):
         act_gscale: cute.Tensor,
         partial_layout: cute.Layout,
         row_warps: cutlass.Constexpr,
+        topk_ids: cute.Tensor,
+        mX: cute.Tensor,
+        mXs: cute.Tensor,
+        mOut: cute.Tensor,
+        topk_weights: cute.Tensor,
+        counters: cute.Tensor,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -173,13 +240,19 @@ class GemvDequantSm90(SwapDequantGemmSm90):
         # This warp's cp.async ring: its K units j = 0, 1, ... (unit warp + j * k_warps) in stage j % stages.
         ring = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(self.k_warps * self.ring_bytes), 128)
         ring_base = bq.smem_addr(ring.iterator) + warp * self.ring_bytes
+        x_row = None  # gather_x: the token's prepared row (K bf16), read by every lane
+        if cutlass.const_expr(self.gather_x):
+            x_row = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout((1, self.k)), 16)
         kw = self.k_warps
         mine = cutlass.max(n_units - warp + kw - 1, 0) // kw  # this warp's K units
         if cutlass.const_expr(self.early_w):
-            blocks = cute.arch.load(meta.iterator.llvm_ptr, Int32, sem="relaxed", scope="gpu")
+            blocks = self._num_blocks(meta, topk_ids, relaxed=True)
             e_early = Int32(0)
             if m_blk < blocks:
-                entry_ptr = (m_block_expert.iterator + m_blk).llvm_ptr
+                if cutlass.const_expr(self.pair_blocks):  # topk_ids (row-major): pair m_blk is element m_blk
+                    entry_ptr = (topk_ids.iterator + m_blk).llvm_ptr
+                else:
+                    entry_ptr = (m_block_expert.iterator + m_blk).llvm_ptr
                 e_early = cute.arch.load(entry_ptr, Int32, sem="relaxed", scope="gpu") & 0xFFFF
             for j in cutlass.range_constexpr(self.stages - 1):
                 pre = ring_base + j * self.stage_bytes
@@ -190,8 +263,8 @@ class GemvDequantSm90(SwapDequantGemmSm90):
         if cutlass.const_expr(self.trigger_after_wait):
             cute.arch.griddepcontrol_launch_dependents()
 
-        if m_blk < meta[0]:
-            block = m_block_expert[m_blk]
+        if m_blk < self._num_blocks(meta, topk_ids):
+            block = self._block_entry(m_block_expert, topk_ids, m_blk)
             expert = block & 0xFFFF
             valid_rows = block >> 16
             alpha = self._alpha(expert, w_gscale, act_gscale)
@@ -203,16 +276,23 @@ class GemvDequantSm90(SwapDequantGemmSm90):
                 first = ring_base + j * self.stage_bytes
                 if cutlass.const_expr(not self.early_w):
                     self._copy_weights(first, mW, mS, expert, warp + j * kw, j < mine, k_tiles, n_rows, offsets, lane)
-                self._copy_tokens(first, mA, m_blk, valid_rows, warp + j * kw, j < mine, lane)
+                if cutlass.const_expr(not self.gather_x):
+                    self._copy_tokens(first, mA, m_blk, valid_rows, warp + j * kw, j < mine, lane)
                 cp_async_commit()
+            if cutlass.const_expr(self.gather_x):  # while those weights stream in
+                self._prepare_token_row(mX, mXs, act_gscale, m_blk // topk_ids.shape[1], x_row, warp, lane)
+                cute.arch.barrier()
             for i in cutlass.range(mine, unroll=1):
                 nxt = i + self.stages - 1
                 fill = ring_base + (nxt % self.stages) * self.stage_bytes  # unit i - 1's, consumed
                 self._copy_weights(fill, mW, mS, expert, warp + nxt * kw, nxt < mine, k_tiles, n_rows, offsets, lane)
-                self._copy_tokens(fill, mA, m_blk, valid_rows, warp + nxt * kw, nxt < mine, lane)
+                if cutlass.const_expr(not self.gather_x):
+                    self._copy_tokens(fill, mA, m_blk, valid_rows, warp + nxt * kw, nxt < mine, lane)
                 cp_async_commit()
                 cp_async_wait(self.stages - 1)  # unit i's group (and every one before) has landed
-                self._unit_mma(acc, ring_base + (i % self.stages) * self.stage_bytes, valid_rows, lane)
+                self._unit_mma(
+                    acc, ring_base + (i % self.stages) * self.stage_bytes, valid_rows, lane, x_row, warp + i * kw
+                )
             # K slices -> warp 0, summed in warp order
             n_acc = cute.size(acc)
             if warp > 0:
@@ -226,6 +306,61 @@ class GemvDequantSm90(SwapDequantGemmSm90):
                         v = v + sPartial[w, r, lane]
                     acc[r] = v
                 self._epilogue(acc, mC, m_blk, 0, 0, row_warp, lane, valid_rows, alpha, out_gs, None)
+                if cutlass.const_expr(self.pair_combine):
+                    top_k = topk_weights.shape[1]
+                    tok = m_blk // top_k
+                    publish_stores()
+                    counter = (counters.iterator + mW.shape[0] + 1 + tok * row_warps + row_warp).llvm_ptr
+                    if count_in(counter, top_k):
+                        reset_counter(counter)
+                        col = row_warp * ROW_WARP_ROWS + 2 * lane  # lane l: the row warp's columns 2l, 2l + 1
+                        y_base = mC.iterator.toint()
+                        combine_word(y_base, mOut, mOut.shape[1], topk_weights, tok, top_k, self.tok_tile, col)
+
+    def _num_blocks(self, meta: cute.Tensor, topk_ids: cute.Tensor, relaxed: bool = False):
+        """M blocks of this call: the routing's count (``relaxed``: read with ld.relaxed.gpu, before the wait), or
+        with ``pair_blocks`` one per pair."""
+        if cutlass.const_expr(self.pair_blocks):
+            return topk_ids.shape[0] * topk_ids.shape[1]
+        if relaxed:
+            return cute.arch.load(meta.iterator.llvm_ptr, Int32, sem="relaxed", scope="gpu")
+        return meta[0]
+
+    def _block_entry(self, m_block_expert: cute.Tensor, topk_ids: cute.Tensor, m_blk):
+        """Block ``m_blk``'s entry: expert | real rows << 16 (``pair_blocks``: pair m_blk's expert, one row)."""
+        if cutlass.const_expr(self.pair_blocks):
+            return topk_ids[m_blk // topk_ids.shape[1], m_blk % topk_ids.shape[1]] | (1 << 16)
+        return m_block_expert[m_blk]
+
+    @cute.jit
+    def _prepare_token_row(self, mX, mXs, act_gscale, tok, x_row, warp, lane) -> None:
+        """``gather_x``: token ``tok``'s activation row into ``x_row`` as the gather prepares it (items of 32
+        elements over ``TOKEN_LANES`` lanes, the block amax by shuffles; warp-uniform trip counts, lanes past
+        the end redo the last slot and store nothing)."""
+        lanes = TOKEN_LANES
+        per_lane = ITEM // lanes
+        j = lane % lanes
+        vals = cute.make_rmem_tensor((1, per_lane), Float32)
+        qfrag = cute.make_rmem_tensor((1, per_lane), cutlass.BFloat16)
+        if cutlass.const_expr(self.prequantized):
+            nitem = mXs.shape[1] // (ITEM // constants.QUANT_BLOCK[self.fmt])
+            lane_bytes = item_bytes(self.fmt) // lanes
+            raw = cute.make_rmem_tensor((1, lane_bytes), cutlass.Uint8)
+        else:
+            nitem = mX.shape[1] // ITEM
+            frag = cute.make_rmem_tensor((1, per_lane), mX.element_type)
+            gs = None  # the NVFP4 per-tensor constants
+            if cutlass.const_expr(self.fmt == constants.FMT_NVFP4):
+                gs = bq.nvfp4_global(act_gscale[0])
+        slots = nitem * lanes
+        for base in cutlass.range(warp * 32, slots, self.k_warps * 32, unroll=1):
+            s = cutlass.min(base + lane, slots - 1)
+            if cutlass.const_expr(self.prequantized):
+                dequant_slot(mX, mXs, tok * slots + s, nitem, lanes, j, lane_bytes, raw, vals, qfrag, self.fmt)
+            else:
+                qdq_slot(mX, tok * slots + s, nitem, lanes, j, frag, vals, qfrag, self.fmt, gs)
+            if base + lane < slots:
+                cute.autovec_copy(qfrag, cute.local_tile(x_row, (1, per_lane), (0, s)))
 
     def _row_offsets(self, row_warp, lane) -> list:
         """offsets[a][h] = (weight row, 16-byte slot of the lane's segment in it) of atom a, row half h."""
@@ -286,18 +421,23 @@ class GemvDequantSm90(SwapDequantGemmSm90):
                 cp_async(dst, a_base + (row * self.k + elem0 + 8 * ch) * 2, 16, real)
 
     @cute.jit
-    def _unit_mma(self, acc, stage, valid_rows, lane) -> None:
+    def _unit_mma(self, acc, stage, valid_rows, lane, x_row, u) -> None:
         """The MMAs of the K unit in ring stage ``stage``, per 8-column group that holds a real row, the
-        weight words converted atom by atom."""
+        weight words converted atom by atom. ``gather_x``: the token fragments of unit ``u`` from ``x_row``."""
         q = lane & 3
         # MXFP8: the lane's scale byte in the copied word (every row of the lane has the parity of lane // 4)
         byte_shift = Uint32((2 * ((lane >> 2) & 1) + (q >> 1)) * 8)
         for j in cutlass.range_constexpr(self.col_groups):
             if 8 * j < valid_rows:
-                x = [
-                    list(bq.ld_shared_v4(stage + self.tokens_at + (j * self.x_chunks + ch) * 512 + lane * 16))
-                    for ch in range(self.x_chunks)
-                ]
+                if cutlass.const_expr(self.gather_x):  # lane (n, q): elements [x_chunks * 8 q, ...) of the unit
+                    elem = u * self.unit_k + q * (8 * self.x_chunks)
+                    row = bq.smem_addr(x_row.iterator) + elem * 2
+                    x = [list(bq.ld_shared_v4(row + 16 * ch)) for ch in range(self.x_chunks)]
+                else:
+                    x = [
+                        list(bq.ld_shared_v4(stage + self.tokens_at + (j * self.x_chunks + ch) * 512 + lane * 16))
+                        for ch in range(self.x_chunks)
+                    ]
                 for a in cutlass.range_constexpr(self.atoms):
                     rows = []
                     for h in cutlass.range_constexpr(2):

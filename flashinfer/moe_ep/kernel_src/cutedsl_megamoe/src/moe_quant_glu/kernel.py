@@ -15,6 +15,10 @@
 4. FC2 the same way -> ``a_buf`` reused as y [M_cap, H] bf16;
 5. combine (the BF16 kernel's): ``out[t] = bf16(sum_k w[t,k] * y)``, k in order.
 
+With ``pair_blocks`` (the GEMV, one token) the GEMMs take M block b as pair b of ``topk_ids``: FC1 prepares
+its token's row itself and no routing or gather kernel runs; with ``pair_combine`` FC2 also does the
+combine, so the layer is two kernels (``gemv`` module docstring).
+
 The routing, gather and combine grids are sized to the work, as the BF16 kernel's ``sized_grids``.
 
 The reference semantics are ``flashinfer.moe_ep.core.reference_quant`` with static NVFP4 activation
@@ -79,6 +83,16 @@ class Sm90MegaMoEQuantKernel:
     :param gemv_k_warps: warps per GEMV CTA (2, 4, 8, 16).
     :param gemv_stages: the depth of each GEMV warp's ``cp.async`` ring (2 or more; with the warps, shared
         memory bounds it: ``common.host_utils.gemv_shared_bytes``).
+    :param pair_blocks: (``gemv`` only) no routing and no gather kernel: M block b of both GEMVs is pair b of
+        ``topk_ids`` (its expert, one real token column), and FC1 quantizes its token's row itself after its
+        wait (``GemvDequantSm90(gather_x=True)``: the gather's functions, so the same values). Meant for one
+        token: ``T * top_k <= num_experts`` (the workspace's rows; the frontend checks it before each
+        launch). FC1 is then the layer's first kernel, so it reads ``topk_ids`` only after its wait:
+        ``fc1_early_weights`` and ``gather_early_rows`` (no gather) must be off.
+    :param pair_combine: (``pair_blocks`` only) FC2 combines the pairs itself, the last of a token's ``top_k``
+        units of each 64-column row warp summing them in k order (the combine kernel's bits), and the combine
+        kernel is not launched; its counters extend ``expert_count`` (``host_utils.pair_combine_counters(E,
+        K, H, 64)``, zero on entry and zeroed again).
     :param prequantized: ``x`` holds the activation codes in the format (uint8: E4M3 [T, H] or E2M1
         pairs [T, H/2]) and ``x_scale`` their block scales (uint8: UE8M0 [T, H/32] or E4M3 [T, H/16]);
         otherwise ``x`` is bf16 [T, H], quantized by the kernel, and ``x_scale`` is not read.
@@ -112,7 +126,15 @@ class Sm90MegaMoEQuantKernel:
         gemv: bool = False,
         gemv_k_warps: int = 4,
         gemv_stages: int = 2,
+        pair_blocks: bool = False,
+        pair_combine: bool = False,
     ) -> None:
+        if pair_blocks and not (gemv and not fc1_early_weights and not gather_early_rows):
+            raise ValueError("pair_blocks needs gemv=True, fc1_early_weights=False and gather_early_rows=False")
+        if pair_combine and not pair_blocks:
+            raise ValueError("pair_combine needs pair_blocks")
+        self.pair_blocks = pair_blocks
+        self.pair_combine = pair_combine
         if gemv and not (swap_ab and tile_m in GEMV_TOKEN_TILES and not gather_in_fc1 and swap_split_k == 1):
             raise ValueError(f"gemv needs swap_ab=True, tile_m in {GEMV_TOKEN_TILES}, no gather_in_fc1, swap_split_k=1")
         self.gemv = gemv
@@ -152,7 +174,7 @@ class Sm90MegaMoEQuantKernel:
         self.fc1, self.fc2 = quant_gemms(
             fmt, tile_m, fc1_tile_n, fc2_tile_n, activation, limit, num_sms, fc1_stages, fc2_stages, swap_ab, swap_wg,
             probe, bf_buffers, swap_atoms, swap_stagger, gather_in_fc1, swap_split_k, fc2_early_weights,
-            fc1_early_weights, gemv, gemv_k_warps, gemv_stages,
+            fc1_early_weights, gemv, gemv_k_warps, gemv_stages, pair_blocks, prequantized, pair_combine,
         )  # fmt: skip
 
     @cute.jit
@@ -194,52 +216,70 @@ class Sm90MegaMoEQuantKernel:
         )
         combine_items = num_tokens * (out.shape[1] // (constants.BF16_PER_16B * self.aux_vpt))
         combine_ctas = aux_kernels.launch_ctas(combine_items, self.aux_threads, self.aux_grid)
-        aux_kernels.route_kernel(
-            topk_ids,
-            pair_rank,
-            expert_count,
-            cta_base,
-            expert_off,
-            m_block_expert,
-            meta,
-            None,  # no row map here: the gather writes pair_row
-            None,
-            num_experts,
-            self.tile_m,
-            1,
-            False,
-            False,
-            self.gather_early_rows,
-        ).launch(grid=[route_ctas, 1, 1], block=[constants.ROUTING_THREADS, 1, 1], stream=stream, use_pdl=pdl)
-        # gather_in_fc1: the row -> token map lives in a_buf until FC2 writes y there (FC2 starts after FC1 ends).
-        row_token = cute.make_tensor(
-            cute.recast_ptr(a_buf.iterator, dtype=cutlass.Int32), cute.make_layout(a_buf.shape[0])
-        )
-        rows = x_rows if self.gather_in_fc1 else a_buf
-        if cutlass.const_expr(self.prequantized):
-            gather = dequant_gather_kernel(
-                x, x_scale, topk_ids, pair_rank, expert_off, cta_base, pair_row, rows, route_ctas, row_token,
-                self.fmt, self.gather_in_fc1, self.fc1_early_weights, self.gather_early_rows,
+        if cutlass.const_expr(self.pair_blocks):
+            # the GEMVs read topk_ids themselves; FC1 prepares its token's row (x, x_scale)
+            pairs = {"max_blocks": num_tokens * top_k, "topk_ids": topk_ids}
+            self.fc1.launch(
+                a_buf, w13, w13_scale, h_buf, m_block_expert, meta, w13_gscale, act_gscale, stream, pdl, x=x,
+                x_scale=x_scale, **pairs,
             )  # fmt: skip
+            self.fc2.launch(
+                h_buf, w2, w2_scale, a_buf, m_block_expert, meta, w2_gscale, act_gscale, stream, pdl, out=out,
+                topk_weights=topk_weights, counters=expert_count, **pairs,
+            )  # fmt: skip
+            if cutlass.const_expr(not self.pair_combine):
+                aux_kernels.combine_kernel(a_buf, pair_row, topk_weights, out, top_k, self.aux_vpt, self.tile_m).launch(
+                    grid=[combine_ctas, 1, 1], block=[self.aux_threads, 1, 1], stream=stream, use_pdl=pdl
+                )
         else:
-            gather = quant_gather_kernel(
-                x, topk_ids, pair_rank, expert_off, cta_base, pair_row, rows, act_gscale, route_ctas, row_token,
-                self.fmt, self.gather_in_fc1, self.fc1_early_weights, self.gather_early_rows,
+            aux_kernels.route_kernel(
+                topk_ids,
+                pair_rank,
+                expert_count,
+                cta_base,
+                expert_off,
+                m_block_expert,
+                meta,
+                None,  # no row map here: the gather writes pair_row
+                None,
+                num_experts,
+                self.tile_m,
+                1,
+                False,
+                False,
+                self.gather_early_rows,
+            ).launch(grid=[route_ctas, 1, 1], block=[constants.ROUTING_THREADS, 1, 1], stream=stream, use_pdl=pdl)
+            # gather_in_fc1: the row -> token map lives in a_buf until FC2 writes y there (FC2 starts after FC1 ends).
+            row_token = cute.make_tensor(
+                cute.recast_ptr(a_buf.iterator, dtype=cutlass.Int32), cute.make_layout(a_buf.shape[0])
+            )
+            rows = x_rows if self.gather_in_fc1 else a_buf
+            if cutlass.const_expr(self.prequantized):
+                gather = dequant_gather_kernel(
+                    x, x_scale, topk_ids, pair_rank, expert_off, cta_base, pair_row, rows, route_ctas, row_token,
+                    self.fmt, self.gather_in_fc1, self.fc1_early_weights, self.gather_early_rows,
+                )  # fmt: skip
+            else:
+                gather = quant_gather_kernel(
+                    x, topk_ids, pair_rank, expert_off, cta_base, pair_row, rows, act_gscale, route_ctas, row_token,
+                    self.fmt, self.gather_in_fc1, self.fc1_early_weights, self.gather_early_rows,
+                )  # fmt: skip
+            gather.launch(grid=[gather_ctas, 1, 1], block=[self.aux_threads, 1, 1], stream=stream, use_pdl=pdl)
+            fc1_rows = {"x_rows": x_rows, "row_token": row_token} if self.gather_in_fc1 else {}
+            # FC1 and FC2 share the split-K workspaces: FC2 waits for FC1's end (griddepcontrol) before its loop.
+            split = {"split_ws": split_ws, "split_count": split_count} if self.swap_split_k > 1 else {}
+            if cutlass.const_expr(self.gemv):
+                split = {"max_blocks": num_tokens * top_k}  # the routing's M blocks at most
+            self.fc1.launch(
+                a_buf, w13, w13_scale, h_buf, m_block_expert, meta, w13_gscale, act_gscale, stream, pdl,
+                **fc1_rows, **split,
             )  # fmt: skip
-        gather.launch(grid=[gather_ctas, 1, 1], block=[self.aux_threads, 1, 1], stream=stream, use_pdl=pdl)
-        fc1_rows = {"x_rows": x_rows, "row_token": row_token} if self.gather_in_fc1 else {}
-        # FC1 and FC2 share the split-K workspaces: FC2 waits for FC1's end (griddepcontrol) before its loop.
-        split = {"split_ws": split_ws, "split_count": split_count} if self.swap_split_k > 1 else {}
-        if cutlass.const_expr(self.gemv):
-            split = {"max_blocks": num_tokens * top_k}  # the routing's M blocks at most
-        self.fc1.launch(
-            a_buf, w13, w13_scale, h_buf, m_block_expert, meta, w13_gscale, act_gscale, stream, pdl,
-            **fc1_rows, **split,
-        )  # fmt: skip
-        self.fc2.launch(h_buf, w2, w2_scale, a_buf, m_block_expert, meta, w2_gscale, act_gscale, stream, pdl, **split)
-        aux_kernels.combine_kernel(a_buf, pair_row, topk_weights, out, topk_ids.shape[1], self.aux_vpt).launch(
-            grid=[combine_ctas, 1, 1], block=[self.aux_threads, 1, 1], stream=stream, use_pdl=pdl
-        )
+            self.fc2.launch(
+                h_buf, w2, w2_scale, a_buf, m_block_expert, meta, w2_gscale, act_gscale, stream, pdl, **split
+            )
+            aux_kernels.combine_kernel(a_buf, pair_row, topk_weights, out, topk_ids.shape[1], self.aux_vpt).launch(
+                grid=[combine_ctas, 1, 1], block=[self.aux_threads, 1, 1], stream=stream, use_pdl=pdl
+            )
 
 
 def quant_gemms(
@@ -265,6 +305,9 @@ def quant_gemms(
     gemv: bool = False,
     gemv_k_warps: int = 4,
     gemv_stages: int = 2,
+    pair_blocks: bool = False,
+    prequantized: bool = False,
+    pair_combine: bool = False,
 ) -> tuple:
     """FC1 (the activation and the requantization to the FC2 input format in its epilogue) and FC2 of the
     block-scaled kernels (world size 1 and EP): the swap-AB GEMMs (weights dequantized in registers,
@@ -273,13 +316,16 @@ def quant_gemms(
     ``swap_split_k``: their split K (``SwapDequantGemmSm90(split_k=...)``); ``fc2_early_weights``: FC2's
     weight loads before its wait (``early_w``), FC1's trigger after its own; ``fc1_early_weights``: FC1's
     weight loads before its wait (the gather before it triggers after its own wait); ``gemv``: both as
-    ``gemv.GemvDequantSm90`` (the same early loads)."""
+    ``gemv.GemvDequantSm90`` (the same early loads); ``pair_blocks`` / ``pair_combine``: the GEMVs' pair chain
+    (FC1 preparing its token's row, of codes with ``prequantized``; FC2 combining)."""
     if gemv:
         fc1 = GemvDequantSm90(fmt, tile_m, activation, limit, requant=True, k_warps=gemv_k_warps,
                               early_w=fc1_early_weights, trigger_after_wait=fc2_early_weights,
-                              stages=gemv_stages)  # fmt: skip
+                              stages=gemv_stages, pair_blocks=pair_blocks, gather_x=pair_blocks,
+                              prequantized=prequantized)  # fmt: skip
         fc2 = GemvDequantSm90(fmt, tile_m, "plain", None, gscale_index=1, k_warps=gemv_k_warps,
-                              early_w=fc2_early_weights, stages=gemv_stages)  # fmt: skip
+                              early_w=fc2_early_weights, stages=gemv_stages, pair_blocks=pair_blocks,
+                              pair_combine=pair_combine)  # fmt: skip
         return fc1, fc2
     if swap_ab:
         swap = {"max_wg": swap_wg, "max_atoms": swap_atoms, "stagger": swap_stagger, "split_k": swap_split_k}
