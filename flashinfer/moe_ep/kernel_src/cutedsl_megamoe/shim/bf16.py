@@ -160,12 +160,7 @@ class Bf16Frontend(KernelFrontend):
             raise ValueError(f"decode_stages must be 2 or more, got {k.decode_stages}")
         if k.pair_blocks and not (k.gather_in_fc1 and k.cluster_m == 1):
             raise ValueError("pair_blocks needs gather_in_fc1=True and cluster_m=1")
-        if k.pair_combine and not k.pair_blocks:
-            raise ValueError("pair_combine needs pair_blocks=True")
-        if k.pair_blocks and self.pair_blocks_max_tokens < 1:
-            raise ValueError(
-                f"pair_blocks takes T * top_k <= num_experts; top_k={self.geometry.top_k} > {self.geometry.num_experts}"
-            )
+        self.check_pair_blocks()
         smem = kh.decode_shared_bytes(k.decode_warps, k.decode_stages, self.geometry.top_k)
         if smem > kh.SM90_SMEM_BYTES:
             raise ValueError(
@@ -182,14 +177,7 @@ class Bf16Frontend(KernelFrontend):
         """``decode_fused``'s pair limit, else ``pair_blocks``' workspace rows (``KernelFrontend``)."""
         if self.knobs.decode_fused:
             return self.decode_max_tokens, "decode_fused", f"T * top_k <= {kh.constants.DECODE_MAX_PAIRS}"
-        if self.knobs.pair_blocks:
-            return self.pair_blocks_max_tokens, "pair_blocks", "T * top_k <= num_experts"
-        return None
-
-    @property
-    def pair_blocks_max_tokens(self) -> int:
-        """The most tokens a ``pair_blocks`` launch takes (``T * top_k <= num_experts``: the workspace's rows)."""
-        return self.geometry.num_experts // self.geometry.top_k
+        return super().launch_token_limit
 
     @property
     def decode_max_tokens(self) -> int:

@@ -210,8 +210,26 @@ class KernelFrontend(abc.ABC):
     @property
     def launch_token_limit(self) -> tuple[int, str, str] | None:
         """(the most tokens one launch of this knob set takes, the knob that sets it, its rule), or None (any
-        T). ``launch`` and the layers' token buckets check T against it."""
+        T). ``launch`` and the layers' token buckets check T against it. Here: ``pair_blocks``' limit where the
+        family has that knob."""
+        if getattr(self.knobs, "pair_blocks", False):
+            return self.pair_blocks_max_tokens, "pair_blocks", "T * top_k <= num_experts"
         return None
+
+    @property
+    def pair_blocks_max_tokens(self) -> int:
+        """The most tokens a ``pair_blocks`` launch takes (``T * top_k <= num_experts``: the workspace's rows;
+        both families' one-token chain, M block b = pair b of ``topk_ids``)."""
+        return self.geometry.num_experts // self.geometry.top_k
+
+    def check_pair_blocks(self) -> None:
+        """``pair_blocks`` (where set) serves one token at least, and ``pair_combine`` needs it."""
+        k = self.knobs
+        if getattr(k, "pair_combine", False) and not k.pair_blocks:
+            raise ValueError("pair_combine needs pair_blocks=True")
+        if getattr(k, "pair_blocks", False) and self.pair_blocks_max_tokens < 1:
+            g = self.geometry
+            raise ValueError(f"pair_blocks takes T * top_k <= num_experts; top_k={g.top_k} > {g.num_experts}")
 
     def check_launch_tokens(self, tokens: int) -> None:
         """Raise ValueError before a launch of ``tokens`` tokens beyond ``launch_token_limit``."""

@@ -223,7 +223,7 @@ class QuantFrontend(KernelFrontend):
             )
 
     def _check_pairs(self) -> None:
-        k, g = self.knobs, self.geometry
+        k = self.knobs
         if k.pair_blocks and not k.gemv:
             raise ValueError("pair_blocks needs gemv=True (the GEMV's pair chain)")
         if k.pair_blocks and (k.fc1_early_weights or k.gather_early_rows):
@@ -231,22 +231,7 @@ class QuantFrontend(KernelFrontend):
                 "pair_blocks makes FC1 the layer's first kernel (it reads topk_ids after its wait, and there is no "
                 "gather): set fc1_early_weights=False and gather_early_rows=False"
             )
-        if k.pair_combine and not k.pair_blocks:
-            raise ValueError("pair_combine needs pair_blocks=True")
-        if k.pair_blocks and self.pair_blocks_max_tokens < 1:
-            raise ValueError(f"pair_blocks takes T * top_k <= num_experts; top_k={g.top_k} > {g.num_experts}")
-
-    @property
-    def pair_blocks_max_tokens(self) -> int:
-        """The most tokens a ``pair_blocks`` launch takes (``T * top_k <= num_experts``: the workspace's rows)."""
-        return self.local_experts // self.geometry.top_k
-
-    @property
-    def launch_token_limit(self) -> tuple[int, str, str] | None:
-        """``pair_blocks``' workspace rows (``KernelFrontend``)."""
-        if self.knobs.pair_blocks:
-            return self.pair_blocks_max_tokens, "pair_blocks", "T * top_k <= num_experts"
-        return None
+        self.check_pair_blocks()
 
     def kernel_kwargs(self) -> dict[str, Any]:
         """The constructor keywords of the drop's block-scaled kernels that this frontend fixes (the

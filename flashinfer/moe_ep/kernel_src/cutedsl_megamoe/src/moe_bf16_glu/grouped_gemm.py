@@ -255,9 +255,7 @@ class GroupedGemmSm90:
                 self.b_layout, (self.tile_m, self.tile_n // 2, self.tile_k), self.ab_dtype, 1
             )
             tma_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(),
-                b,
-                cute.slice_(b_half_layout, (None, None, 0)),
+                cpasync.CopyBulkTensorTileG2SOp(), b, cute.slice_(b_half_layout, (None, None, 0)),
                 (self.tile_n // 2, self.tile_k),
             )
         else:
@@ -489,19 +487,8 @@ class GroupedGemmSm90:
                         if warp_idx == 0:
                             ab_pipe.producer_acquire(prod_state)
                             self._load_b(
-                                ab_pipe,
-                                prod_state,
-                                tma_b,
-                                tBgB,
-                                tBsB,
-                                tBgB_other,
-                                tBsB_other,
-                                n_blk,
-                                k,
-                                expert,
-                                share_b,
-                                b_mcast_mask,
-                                b_self_mask,
+                                ab_pipe, prod_state, tma_b, tBgB, tBsB, tBgB_other, tBsB_other, n_blk, k, expert,
+                                share_b, b_mcast_mask, b_self_mask,
                             )
                         dst = a_smem + prod_state.index * stage_bytes + group * 128 + swz
                         col = k * k_bytes + chunk * 16
@@ -776,17 +763,11 @@ class GroupedGemmSm90:
                 )
             else:
                 cute.copy(
-                    tma_b,
-                    tBgB[(None, n_blk, k, expert)],
-                    tBsB[(None, state.index)],
-                    tma_bar_ptr=bar,
+                    tma_b, tBgB[(None, n_blk, k, expert)], tBsB[(None, state.index)], tma_bar_ptr=bar,
                     mcast_mask=self_mask,
                 )
                 cute.copy(
-                    tma_b,
-                    tBgB_other[(None, n_blk, k, expert)],
-                    tBsB_other[(None, state.index)],
-                    tma_bar_ptr=bar,
+                    tma_b, tBgB_other[(None, n_blk, k, expert)], tBsB_other[(None, state.index)], tma_bar_ptr=bar,
                     mcast_mask=self_mask,
                 )
 

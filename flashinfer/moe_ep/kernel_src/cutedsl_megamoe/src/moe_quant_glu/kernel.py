@@ -216,22 +216,10 @@ class Sm90MegaMoEQuantKernel:
         )
         combine_items = num_tokens * (out.shape[1] // (constants.BF16_PER_16B * self.aux_vpt))
         combine_ctas = aux_kernels.launch_ctas(combine_items, self.aux_threads, self.aux_grid)
-        if cutlass.const_expr(self.pair_blocks):
-            # the GEMVs read topk_ids themselves; FC1 prepares its token's row (x, x_scale)
-            pairs = {"max_blocks": num_tokens * top_k, "topk_ids": topk_ids}
-            self.fc1.launch(
-                a_buf, w13, w13_scale, h_buf, m_block_expert, meta, w13_gscale, act_gscale, stream, pdl, x=x,
-                x_scale=x_scale, **pairs,
-            )  # fmt: skip
-            self.fc2.launch(
-                h_buf, w2, w2_scale, a_buf, m_block_expert, meta, w2_gscale, act_gscale, stream, pdl, out=out,
-                topk_weights=topk_weights, counters=expert_count, **pairs,
-            )  # fmt: skip
-            if cutlass.const_expr(not self.pair_combine):
-                aux_kernels.combine_kernel(a_buf, pair_row, topk_weights, out, top_k, self.aux_vpt, self.tile_m).launch(
-                    grid=[combine_ctas, 1, 1], block=[self.aux_threads, 1, 1], stream=stream, use_pdl=pdl
-                )
-        else:
+        routed = not self.pair_blocks  # pair_blocks: the GEMVs read topk_ids themselves, FC1 prepares its row
+        fc1_args = {}
+        fc2_args = {}
+        if cutlass.const_expr(routed):
             aux_kernels.route_kernel(
                 topk_ids,
                 pair_rank,
@@ -265,22 +253,27 @@ class Sm90MegaMoEQuantKernel:
                     self.fmt, self.gather_in_fc1, self.fc1_early_weights, self.gather_early_rows,
                 )  # fmt: skip
             gather.launch(grid=[gather_ctas, 1, 1], block=[self.aux_threads, 1, 1], stream=stream, use_pdl=pdl)
-            fc1_rows = {"x_rows": x_rows, "row_token": row_token} if self.gather_in_fc1 else {}
-            # FC1 and FC2 share the split-K workspaces: FC2 waits for FC1's end (griddepcontrol) before its loop.
-            split = {"split_ws": split_ws, "split_count": split_count} if self.swap_split_k > 1 else {}
-            if cutlass.const_expr(self.gemv):
-                split = {"max_blocks": num_tokens * top_k}  # the routing's M blocks at most
-            self.fc1.launch(
-                a_buf, w13, w13_scale, h_buf, m_block_expert, meta, w13_gscale, act_gscale, stream, pdl,
-                **fc1_rows, **split,
-            )  # fmt: skip
-            self.fc2.launch(
-                h_buf, w2, w2_scale, a_buf, m_block_expert, meta, w2_gscale, act_gscale, stream, pdl, **split
-            )
-            aux_kernels.combine_kernel(a_buf, pair_row, topk_weights, out, topk_ids.shape[1], self.aux_vpt).launch(
+            if cutlass.const_expr(self.gather_in_fc1):
+                fc1_args = {"x_rows": x_rows, "row_token": row_token}
+        else:
+            fc1_args = {"x": x, "x_scale": x_scale, "topk_ids": topk_ids}
+            fc2_args = {"topk_ids": topk_ids, "out": out, "topk_weights": topk_weights, "counters": expert_count}
+        # FC1 and FC2 share the split-K workspaces: FC2 waits for FC1's end (griddepcontrol) before its loop.
+        split = {"split_ws": split_ws, "split_count": split_count} if self.swap_split_k > 1 else {}
+        if cutlass.const_expr(self.gemv):
+            split = {"max_blocks": num_tokens * top_k}  # the routing's M blocks at most (pair_blocks: exactly)
+        self.fc1.launch(
+            a_buf, w13, w13_scale, h_buf, m_block_expert, meta, w13_gscale, act_gscale, stream, pdl,
+            **fc1_args, **split,
+        )  # fmt: skip
+        self.fc2.launch(
+            h_buf, w2, w2_scale, a_buf, m_block_expert, meta, w2_gscale, act_gscale, stream, pdl, **fc2_args, **split
+        )
+        if cutlass.const_expr(not self.pair_combine):
+            pair_rows = self.tile_m if self.pair_blocks else 0  # pair_blocks: pair p's y row is p * tile_m
+            aux_kernels.combine_kernel(a_buf, pair_row, topk_weights, out, top_k, self.aux_vpt, pair_rows).launch(
                 grid=[combine_ctas, 1, 1], block=[self.aux_threads, 1, 1], stream=stream, use_pdl=pdl
             )
-
 
 def quant_gemms(
     fmt: str,
