@@ -200,9 +200,12 @@ def test_buckets_share_the_weight_layout(fmt: str) -> None:
         assert k.gather_in_fc1 == bk.get("gather_in_fc1", False)
         assert k.swap_split_k == bk.get("swap_split_k", 1)
         # early weight loads: FC2's in every swap-AB bucket, FC1's where the gather kernel precedes it at T <= 2
-        assert k.fc2_early_weights and k.fc1_early_weights == (b.name in ("gemv8", "split16", "sparse16"))
+        assert k.fc2_early_weights and k.fc1_early_weights == (b.name in ("split16", "sparse16"))
         assert k.gemv == (b.name == "gemv8") and k.gemv_k_warps == bk.get("gemv_k_warps", 4)
-        assert k.gather_early_rows  # the gather quantizes its first items before it waits for the routing
+        # the pair chain (gemv8: no routing, gather or combine kernel) and elsewhere the gather, which quantizes
+        # its first items before it waits for the routing
+        paired = b.name == "gemv8"
+        assert k.pair_blocks == k.pair_combine == paired and k.gather_early_rows == (not paired)
         assert k.fc1_tile_n == layout.knobs.fc1_tile_n  # one packed layout
     assert len({fe.key.digest() for fe in fes.values()}) == len(fes)
     gathering = {b.name for b in BUCKETS if fes[b.name].knobs.gather_in_fc1}
@@ -286,11 +289,11 @@ def test_nvfp4_sparse16_serves_while_its_fc1_fits_one_wave(fmt: str) -> None:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_gemv8_serves_its_formats_pairs_and_hidden_sizes(fmt: str) -> None:
-    """The expert GEMV bucket (session 24 A/B): up to 1/16 pair per expert (T = 1 on the qwen3 contracts)
-    where H <= 2048 (qwen3-30b-a3b; qwen3-235b-a22b's 4096 and deepseek-v3's 7168 keep the swap-AB
-    buckets), in both formats, and never for callers that give no H, nor in an EP layer (its knobs are
-    world-size-1 knobs)."""
-    last = 1
+    """The expert GEMV bucket (sessions 24 and 32 A/B): up to 1/16 pair per expert (T = 1 on the qwen3
+    contracts), MXFP8 up to 1/8 (T = 2), where H <= 2048 (qwen3-30b-a3b; qwen3-235b-a22b's 4096 and
+    deepseek-v3's 7168 keep the swap-AB buckets), in both formats, with the pair chain, and never for callers
+    that give no H, nor in an EP layer (its knobs are world-size-1 knobs)."""
+    last = 2 if fmt == "mxfp8" else 1
     for name in ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3"):
         c = CONTRACTS[name]
         cfg = CONFIG[fmt](c.hidden_size, c.intermediate_size, c.num_experts, c.top_k)
@@ -299,6 +302,9 @@ def test_gemv8_serves_its_formats_pairs_and_hidden_sizes(fmt: str) -> None:
         if c.hidden_size <= 2048:
             assert picks[:last] == ["gemv8"] * last and "gemv8" not in picks[last:], (name, picks)
             assert fes["gemv8"].knobs.gemv and fes["gemv8"].knobs.tile_m == 8 and fes["gemv8"].knobs.gemv_stages == 2
+            assert fes["gemv8"].knobs.pair_blocks and fes["gemv8"].knobs.pair_combine
+            # every T the bucket serves fits one pair chain launch (T * top_k <= num_experts)
+            assert fes["gemv8"].pair_blocks_max_tokens >= last
         else:
             assert "gemv8" not in picks and "gemv8" not in fes, (name, picks)  # no kernel built for it
         assert "gemv8" not in [token_bucket(t, c.top_k, c.num_experts, fmt, fes) for t in range(1, 10)]
@@ -358,8 +364,8 @@ def test_pair_knob_validation(fmt: str) -> None:
     ep_knobs = {k: v for k, v in PAIR_KNOBS.items() if k != "fc2_early_weights"}
     with pytest.raises(MoEEpConfigError, match="gemv is a world-size-1 knob"):
         bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs=ep_knobs), 4, EpPlacement(2))
-    # the default buckets leave them off (no device measured them yet)
-    assert not any(b.knobs_for(fmt).get("pair_blocks") for b in BUCKETS)
+    # the default buckets: on in gemv8 only (session 32's A/B)
+    assert [b.name for b in BUCKETS if b.knobs_for(fmt).get("pair_blocks")] == ["gemv8"]
 
 
 def test_gemv_shared_bytes_of_the_pair_chain() -> None:

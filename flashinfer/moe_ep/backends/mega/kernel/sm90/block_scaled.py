@@ -331,7 +331,12 @@ class TokenBucket:
 #:   "Session 24"): T = 1 (1/16 pair per expert) on H <= 2048, qwen3-30b-a3b: NVFP4 0.88x, MXFP8 0.86x
 #:   of ``split16``'s time. Not elsewhere: on qwen3-235b-a22b it was 2-10 % slower than ``sparse16`` /
 #:   ``swap16`` at T = 1-8 but for T = 4 (equal), on qwen3-30b-a3b T = 2-8 within -4 / +2 % of the swap-AB
-#:   buckets, on deepseek-v3 10-21 % slower at every T (run 5).
+#:   buckets, on deepseek-v3 10-21 % slower at every T (run 5). Since drop v46 (session 32, H100, interleaved
+#:   A/B in CUDA graphs, outputs bitwise equal to the routed GEMV chain) with the pair chain (``pair_blocks`` +
+#:   ``pair_combine``: FC1 prepares its token's row, FC2 combines; two launches instead of five): qwen3-30b-a3b
+#:   T = 1 MXFP8 0.835x, NVFP4 0.935x of the routed GEMV's time; at T = 2 MXFP8 0.925x of ``split16``'s (so
+#:   MXFP8 up to 1/8 pair per expert), NVFP4 1.000x (not moved); at T = 4 0.997x / 1.154x (not moved). Not on
+#:   qwen3-235b-a22b / deepseek-v3 T = 1 (NVFP4 1.046x / 1.255x of ``sparse16``).
 _EARLY = {"fc2_early_weights": True, "gather_early_rows": True}
 _GATHER = {"swap_ab": True, "gather_in_fc1": True, **_EARLY}
 _SPARSE16 = {"tile_m": 16, "swap_ab": True, "swap_atoms": 2, **_EARLY, "fc1_early_weights": True}
@@ -344,10 +349,12 @@ BUCKETS = (
             "gemv": True,
             "gemv_k_warps": 4,
             "gemv_stages": 2,
-            **_EARLY,
-            "fc1_early_weights": True,
+            "fc2_early_weights": True,
+            "pair_blocks": True,
+            "pair_combine": True,
         },
         max_pairs_per_expert=0.0625,
+        format_max_pairs={"mxfp8": 0.125},
         fallback="decode",
         formats=("mxfp8", "nvfp4"),
         max_hidden=2048,
