@@ -289,11 +289,11 @@ def test_nvfp4_sparse16_serves_while_its_fc1_fits_one_wave(fmt: str) -> None:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_gemv8_serves_its_formats_pairs_and_hidden_sizes(fmt: str) -> None:
-    """The expert GEMV bucket (sessions 24 and 32 A/B): up to 1/16 pair per expert (T = 1 on the qwen3
-    contracts), MXFP8 up to 1/8 (T = 2), where H <= 2048 (qwen3-30b-a3b; qwen3-235b-a22b's 4096 and
-    deepseek-v3's 7168 keep the swap-AB buckets), in both formats, with the pair chain, and never for callers
-    that give no H, nor in an EP layer (its knobs are world-size-1 knobs)."""
-    last = 2 if fmt == "mxfp8" else 1
+    """The expert GEMV bucket (sessions 24, 32 and 33 A/B): up to 1/8 pair per expert (T = 1-2 on the qwen3
+    contracts), where H <= 2048 (qwen3-30b-a3b; qwen3-235b-a22b's 4096 and deepseek-v3's 7168 keep the
+    swap-AB buckets), in both formats, with the pair chain, and never for callers that give no H, nor in an
+    EP layer (its knobs are world-size-1 knobs)."""
+    last = 2
     for name in ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3"):
         c = CONTRACTS[name]
         cfg = CONFIG[fmt](c.hidden_size, c.intermediate_size, c.num_experts, c.top_k)
