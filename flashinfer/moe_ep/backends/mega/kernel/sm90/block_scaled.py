@@ -336,8 +336,9 @@ class TokenBucket:
 #:   ``pair_combine``: FC1 prepares its token's row, FC2 combines; two launches instead of five): qwen3-30b-a3b
 #:   T = 1 MXFP8 0.835x, NVFP4 0.935x of the routed GEMV's time; at T = 2 MXFP8 0.925x of ``split16``'s (so
 #:   MXFP8 up to 1/8 pair per expert), NVFP4 1.000x; at T = 4 0.997x / 1.154x (not moved). Not on
-#:   qwen3-235b-a22b / deepseek-v3 T = 1 (NVFP4 1.046x / 1.255x of ``sparse16``). Session 33 (H200): NVFP4
-#:   at qwen3-30b-a3b T = 2 0.956x / 0.954x of ``sparse16``'s time (two runs), so both formats up to 1/8.
+#:   qwen3-235b-a22b / deepseek-v3 T = 1 (NVFP4 1.046x / 1.255x of ``sparse16``). Session 33 (H200): the pair
+#:   chain 0.851x (MXFP8) / 0.935x (NVFP4) of the routed GEMV's time at T = 1; NVFP4 at qwen3-30b-a3b T = 2
+#:   0.953-0.956x of ``sparse16``'s time (three runs), so both formats up to 1/8 pair per expert.
 _EARLY = {"fc2_early_weights": True, "gather_early_rows": True}
 _GATHER = {"swap_ab": True, "gather_in_fc1": True, **_EARLY}
 _SPARSE16 = {"tile_m": 16, "swap_ab": True, "swap_atoms": 2, **_EARLY, "fc1_early_weights": True}
