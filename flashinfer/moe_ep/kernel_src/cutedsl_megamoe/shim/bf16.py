@@ -29,7 +29,8 @@ class Bf16Knobs:
     ``gather_in_fc1`` (default on): FC1 loads its activation rows from ``x`` itself instead of from a
     copy gathered by a separate kernel (drop v18; measured on H200: 2-11 % faster from T = 128 to 1024,
     4-10 % on qwen3-30b-a3b prefill, even at T = 1, 1-2.4 % slower on deepseek-v3 at T >= 4096;
-    TUNING.md, "Session 10").
+    TUNING.md, "Session 10"). On drop v46 also faster on deepseek-v3 prefill: the gathered copy took 1.5-10.5 %
+    longer at T = 4096 and 16384 on the three bench contracts (H100, TUNING.md, "Session 34").
 
     ``fc1_split_n``: FC1 N tiles of 128 over the 256-wide weight layout (twice the FC1 CTAs; gated
     activations, ``fc1_tile_n=256``, ``cluster_m=1``). The ``single`` token bucket (T = 1) turns it on
