@@ -18,6 +18,11 @@ C[rows of M block b] = A[rows of b] @ B[expert(b)].T for every M block b of the 
   and multicasts it to both); otherwise (an expert boundary, or the phantom block the routing
   appends to an odd count) each CTA loads its own whole B tile. Experts are padded to ``tile_m``
   only, not ``2 * tile_m``.
+- Mainloop: one WGMMA batch (a K tile) in flight while the next is issued, the ring stage of batch
+  k-1 released once it is done (``mma_overlap``; off: each batch waited for before the next stage is
+  taken). A consumer warpgroup whose rows are all padding takes and frees the stages without MMAs: that
+  branch holds the whole K loop, since a WGMMA under a branch inside the loop makes ptxas close each
+  batch with an empty one at the join (so ``wait_group(1)`` would wait for the batch just issued).
 - PDL: the prologue (barrier init, descriptor prefetch) runs before ``griddepcontrol.wait``.
 - ``early_b`` (FC2, ``cluster_m = 1``): the weights do not depend on the kernel before (FC1), so the
   producer issues the B loads of its first tile's first ring stages before ``griddepcontrol.wait``
@@ -99,7 +104,13 @@ class GroupedGemmSm90:
         trigger_after_wait: bool = False,
         pair_blocks: bool = False,
         pair_combine: bool = False,
+        mma_overlap: bool = True,
     ) -> None:
+        # mma_overlap: WGMMA batch k+1 is issued before batch k is waited for (stage k is released once
+        # batch k is done); False waits for each batch before the next stage is taken, as drops up to v46
+        # did in effect (their padding branch around the WGMMAs made ptxas close every batch with an empty
+        # one, so wait_group(1) waited for the batch just issued)
+        self.mma_overlap = mma_overlap
         if pair_blocks and cluster_m != 1:
             raise ValueError("pair_blocks needs cluster_m=1")
         if pair_combine and not (pair_blocks and epilogue == EPI_PLAIN):
@@ -599,12 +610,14 @@ class GroupedGemmSm90:
                 valid_rows = self._block_entry(m_block_expert, topk_ids, m_blk) >> 16
                 active = valid_rows > (wg_idx - 1) * 64  # its first 64-row atom holds real rows
 
-                # ---- mainloop: keep one WGMMA batch in flight, release the stage before it.
+                # ---- mainloop: keep one WGMMA batch in flight, release the stage before it. The branch on
+                # `active` holds the whole loop: with a WGMMA under a branch inside the loop, ptxas closes each
+                # batch with an empty one at the join, and wait_group(1) then waits for the batch just issued.
                 acc.fill(0.0)
-                warpgroup.fence()
-                ab_pipe.consumer_wait(read_state)
-                self._order_gathered_a()
                 if active:
+                    warpgroup.fence()
+                    ab_pipe.consumer_wait(read_state)
+                    self._order_gathered_a()
                     for kb in cutlass.range_constexpr(num_kb):
                         cute.gemm(
                             tiled_mma,
@@ -613,12 +626,11 @@ class GroupedGemmSm90:
                             tCrB[(None, None, kb, read_state.index)],
                             acc,
                         )
-                warpgroup.commit_group()
-                read_state.advance()
-                for _k in cutlass.range(1, k_tiles, unroll=1):
-                    ab_pipe.consumer_wait(read_state)
-                    self._order_gathered_a()
-                    if active:
+                    warpgroup.commit_group()
+                    read_state.advance()
+                    for _k in cutlass.range(1, k_tiles, unroll=1):
+                        ab_pipe.consumer_wait(read_state)
+                        self._order_gathered_a()
                         for kb in cutlass.range_constexpr(num_kb):
                             cute.gemm(
                                 tiled_mma,
@@ -627,14 +639,21 @@ class GroupedGemmSm90:
                                 tCrB[(None, None, kb, read_state.index)],
                                 acc,
                             )
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(1)
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(1 if self.mma_overlap else 0)
+                        ab_pipe.consumer_release(release_state)
+                        release_state.advance()
+                        read_state.advance()
+                    warpgroup.wait_group(0)
                     ab_pipe.consumer_release(release_state)
                     release_state.advance()
-                    read_state.advance()
-                warpgroup.wait_group(0)
-                ab_pipe.consumer_release(release_state)
-                release_state.advance()
+                else:
+                    # 64 rows of expert padding: take and free every stage, no MMA
+                    for _k in cutlass.range(k_tiles, unroll=1):
+                        ab_pipe.consumer_wait(read_state)
+                        ab_pipe.consumer_release(release_state)
+                        release_state.advance()
+                        read_state.advance()
 
                 # ---- epilogue math in registers
                 self._epilogue_math(acc, acc_out)

@@ -58,6 +58,9 @@ class Sm90MegaMoEBf16Kernel:
         True with ``cluster_m=2``. Measured on H200 (TUNING.md, drops v6-v7): deepseek-v3 T=4096
         5-8 % faster than 2g/2g+1; expert pairs at many blocks per expert (deepseek-v3 T=16384) were
         4-5 % slower, hence the switch.
+    :param mma_overlap: the grouped GEMMs keep one WGMMA batch in flight while the next K tile's is issued
+        (``GroupedGemmSm90(mma_overlap=...)``); False waits for each batch first, which drops up to v46 did in
+        effect (ptxas closed every batch with an empty one). Measured (TUNING.md, session 35).
     :param fc1_tiled: w13 comes tiled (``weights.tile_weights(w13, fc1_tile_n, TILE_K)`` after the
         gate/up interleave, 5-D): each FC1 weight tile is one contiguous block of memory.
     :param gather_in_fc1: FC1 loads its A rows from ``x`` itself (``GroupedGemmSm90(gather_a=True)``)
@@ -142,6 +145,7 @@ class Sm90MegaMoEBf16Kernel:
         decode_k_warps: int | None = None,
         pair_blocks: bool = False,
         pair_combine: bool = False,
+        mma_overlap: bool = True,
     ) -> None:
         early = fc2_early_weights and cluster_m == 1 and use_pdl
         if pair_blocks and not (gather_in_fc1 and cluster_m == 1):
@@ -188,6 +192,7 @@ class Sm90MegaMoEBf16Kernel:
             split_n=fc1_split_n,
             trigger_after_wait=early,
             pair_blocks=pair_blocks,
+            mma_overlap=mma_overlap,
         )
         # decode_fused: the whole layer is this one kernel (the GEMMs above then only give w13's layout)
         self.decode = (
@@ -199,7 +204,7 @@ class Sm90MegaMoEBf16Kernel:
         )
         self.fc2 = GroupedGemmSm90(
             tile_m, fc2_tile_n, EPI_PLAIN, None, num_sms, fc2_stages, epi_direct, cluster_m, pair_by_expert,
-            early_b=early, pair_blocks=pair_blocks, pair_combine=pair_combine,
+            early_b=early, pair_blocks=pair_blocks, pair_combine=pair_combine, mma_overlap=mma_overlap,
         )  # fmt: skip
 
     @staticmethod
