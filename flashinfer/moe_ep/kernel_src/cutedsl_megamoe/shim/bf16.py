@@ -72,6 +72,11 @@ class Bf16Knobs:
     tail stream weights then), and FC1 lets FC2 launch only after its own wait for the routing has
     returned (drop v34; measured on H200: 0-3.6 % faster at T = 1 to 1024, outputs bitwise equal;
     TUNING.md, "Session 23").
+
+    ``mma_overlap`` (default on; drop v47): the grouped GEMMs issue a K tile's WGMMAs before they wait for the
+    previous tile's, as they were written to; off, each tile's WGMMAs are waited for before the next stage is
+    taken, which is what drops up to v46 did in effect (a branch around the WGMMAs made ptxas close each batch
+    with an empty one). Output-neutral. TUNING.md, "Session 35".
     """
 
     tile_m: int = 128
@@ -91,6 +96,7 @@ class Bf16Knobs:
     decode_k_warps: int | None = None
     pair_blocks: bool = False
     pair_combine: bool = False
+    mma_overlap: bool = True
 
 
 def widest_tile(n: int, widest: int = 256) -> int:
@@ -110,6 +116,18 @@ def split_fc1_pays(geometry: Geometry, knobs: Bf16Knobs) -> bool:
     that still fits the persistent grid (qwen3-30b-a3b: 48 -> 96 of 132; qwen3-235b-a22b 96 and
     deepseek-v3 128 do not double)."""
     return 2 * geometry.top_k * (2 * geometry.intermediate // knobs.fc1_tile_n) <= knobs.num_sms
+
+
+#: the hidden size from which the prefill bucket waits for each WGMMA batch (``mma_overlap=False``)
+SERIAL_MMA_MIN_HIDDEN = 7168
+
+
+def mma_overlap_pays(geometry: Geometry) -> bool:
+    """Whether the prefill GEMMs keep a WGMMA batch in flight (``mma_overlap``). Measured (TUNING.md,
+    session 35, H100, outputs bitwise equal): on qwen3-30b-a3b and qwen3-235b-a22b 0.4-3.7 % faster at
+    T = 1024-16384; on deepseek-v3 (H = 7168, the only contract that large, power-capped there) 7-25 %
+    slower at T = 4096-16384, equal at 2048. A measured split of the contracts, not a model."""
+    return geometry.hidden < SERIAL_MMA_MIN_HIDDEN
 
 
 class Bf16Frontend(KernelFrontend):
@@ -202,6 +220,7 @@ class Bf16Frontend(KernelFrontend):
             decode_k_warps=k.decode_k_warps,
             pair_blocks=k.pair_blocks,
             pair_combine=k.pair_combine,
+            mma_overlap=k.mma_overlap,
         )
         return kh.export_moe_bf16(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)
 

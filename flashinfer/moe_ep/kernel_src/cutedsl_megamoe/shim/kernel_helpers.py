@@ -111,6 +111,7 @@ SRC_SYMBOLS: dict[str, SrcSymbol] = {
             "decode_k_warps",
             "pair_blocks",
             "pair_combine",
+            "mma_overlap",
         ),
         call_params=BF16_KERNEL_CALL,
     ),

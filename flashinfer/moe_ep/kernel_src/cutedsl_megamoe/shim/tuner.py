@@ -28,7 +28,7 @@ from typing import Any
 
 from . import kernel_helpers as kh
 from . import knob_cache
-from .bf16 import Bf16Frontend, Bf16Knobs, default_bf16_knobs, split_fc1_pays
+from .bf16 import Bf16Frontend, Bf16Knobs, default_bf16_knobs, mma_overlap_pays, split_fc1_pays
 from .frontend import Geometry, KernelFrontend
 
 PERFORMANCE = "performance"
@@ -124,6 +124,8 @@ BF16_KNOBS: tuple[KnobSpec, ...] = (
              why="FC1 tiles of 128 over the 256 layout (T = 1, the single bucket's rule); measured, not searched"),
     KnobSpec("fc2_early_weights", PERFORMANCE, (False, True), None,
              why="FC2's first weight loads before its wait for FC1 (with cluster_m 1); measured, not searched"),
+    KnobSpec("mma_overlap", PERFORMANCE, (False, True), None,
+             why="one WGMMA batch in flight while the next is issued (off: drops <= v46's effective wait); measured"),
     KnobSpec("decode_fused", PERFORMANCE, (False, True), None,
              why="the whole layer in one launch for a few tokens (T * top_k <= 256); the bucket's rule"),
     KnobSpec("decode_warps", PERFORMANCE, (8, 16), None, why="warps per CTA of the fused decode kernel"),
@@ -169,7 +171,10 @@ def bf16_refine(geometry: Geometry, bucket: str, knobs: Bf16Knobs) -> Bf16Knobs:
     """The geometry-dependent part of a BF16 profile: in ``single``, the FC1 split where it is valid
     (``is_valid``: gated, the 256 layout, no cluster) and pays (``bf16.split_fc1_pays``), and the chain
     without its routing kernel (``pair_blocks``) and its combine kernel (``pair_combine``) where valid (FC1
-    gathers, no cluster, top_k <= num_experts)."""
+    gathers, no cluster, top_k <= num_experts); in ``prefill``, each WGMMA batch waited for where keeping
+    one in flight does not pay (``bf16.mma_overlap_pays``)."""
+    if bucket == "prefill" and not mma_overlap_pays(geometry):
+        return dataclasses.replace(knobs, mma_overlap=False)
     if bucket != "single":
         return knobs
     if split_fc1_pays(geometry, knobs):

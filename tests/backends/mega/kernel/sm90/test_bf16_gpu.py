@@ -70,6 +70,13 @@ GPU_VARIANTS = [
     ("small-swiglu-untiled", moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
         **SMALL, knobs={"tile_m": 64, "fc1_tile_n": 128, "fc2_tile_n": 128, "fc1_tiled": False})),
 ] + [
+    # each WGMMA batch waited for before the next stage (mma_overlap=False, drop v47; every other variant
+    # here keeps one in flight, the default): both tile heights, a cluster pair at 128
+    ("small-swiglu-mma-serial-tm64", moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
+        **SMALL, knobs={"tile_m": 64, "fc1_tile_n": 128, "fc2_tile_n": 128, "mma_overlap": False})),
+    ("small-relu2-mma-serial-cluster2-tm128", moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
+        **SMALL, activation="relu2", knobs={"tile_m": 128, "cluster_m": 2, "mma_overlap": False})),
+] + [
     (name, moe.Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig(
         c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit))
     for name, c in CONTRACTS.items() if name in ("qwen3-30b-a3b", "gpt-oss-120b")
