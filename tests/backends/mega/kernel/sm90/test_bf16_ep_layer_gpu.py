@@ -278,8 +278,11 @@ def test_knobs_auto_tunes_every_loopback_rank_together(tmp_path, monkeypatch) ->
 
 
 def test_ep_layer_refuses_unknown_knobs() -> None:
+    """A knob value no mode names is refused by the config itself; a world-size-1 knob by the EP layer."""
     group = moe.make_loopback_group(2, "cuda")
-    for knobs, match in (("fast", "takes knobs=None"), ({"num_sms": 64}, "unknown EP knob")):
+    with pytest.raises(moe.MoEEpConfigError, match="knobs must be None, 'auto', a dict of knobs; got 'fast'"):
+        _config("fast")
+    for knobs, match in (({"num_sms": 64}, "unknown EP knob"),):
         cfg = _config(knobs)
         w13, w2 = make_expert_weights(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, device="cuda")
         with pytest.raises(moe.MoEEpConfigError, match=match):
