@@ -124,8 +124,8 @@ SERIAL_MMA_MIN_HIDDEN = 7168
 
 def mma_overlap_pays(geometry: Geometry) -> bool:
     """Whether the prefill GEMMs keep a WGMMA batch in flight (``mma_overlap``). Measured (TUNING.md,
-    session 35, H100, outputs bitwise equal): on qwen3-30b-a3b and qwen3-235b-a22b 0.4-3.7 % faster at
-    T = 1024-16384; on deepseek-v3 (H = 7168, the only contract that large, power-capped there) 7-25 %
+    session 35, H100, outputs bitwise equal, three runs): on qwen3-30b-a3b and qwen3-235b-a22b 0.3-5 % faster
+    at T = 1024-16384; on deepseek-v3 (H = 7168, the only contract that large, power-capped there) 3-34 %
     slower at T = 4096-16384, equal at 2048. A measured split of the contracts, not a model."""
     return geometry.hidden < SERIAL_MMA_MIN_HIDDEN
 
