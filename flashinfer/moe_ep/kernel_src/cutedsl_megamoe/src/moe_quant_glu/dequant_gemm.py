@@ -381,7 +381,6 @@ class DequantGroupedGemmSm90(GroupedGemmSm90):
             scale_base = bq.smem_addr(storage.sScale.data_ptr())
             bf_base = bq.smem_addr(storage.sB.data_ptr())
             conv_offsets = self._conv_offsets(mma_tidx)
-            num_kb = cute.size(tCrA, mode=[2])
             consumed = cutlass.Int32(0)  # K tiles taken from the ring so far (ring states derive from it)
             epi_count = cutlass.Int32(0)
             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -401,44 +400,14 @@ class DequantGroupedGemmSm90(GroupedGemmSm90):
                 self._dequant_stage(raw_base, scale_base, bf_base, first.index, 0, conv_offsets)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 self._barrier()
-                for k in cutlass.range(k_tiles, unroll=1):
-                    buf = k % self.bf_buffers
-                    cur = self._ring_state(consumed + k)
-                    warpgroup.fence()
-                    if active:
-                        for kb in cutlass.range_constexpr(num_kb):
-                            cute.gemm(
-                                tiled_mma,
-                                acc,
-                                tCrA[(None, None, kb, cur.index)],
-                                tCrB[(None, None, kb, buf)],
-                                acc,
-                            )
-                    warpgroup.commit_group()
-                    if cutlass.const_expr(self.bf_buffers == 2):
-                        warpgroup.wait_group(1)
-                        self._barrier()  # every WGMMA k-1 is done: the other buffer is free
-                        if k > 0:
-                            ab_pipe.consumer_release(self._ring_state(consumed + k - 1))
-                        if k + 1 < k_tiles:
-                            nxt = self._ring_state(consumed + k + 1)
-                            ab_pipe.consumer_wait(nxt)
-                            self._dequant_stage(raw_base, scale_base, bf_base, nxt.index, 1 - buf, conv_offsets)
-                            cute.arch.fence_proxy("async.shared", space="cta")
-                            self._barrier()
-                    else:
-                        # Buffer (k+1) % 3 was read by WGMMA k-2: this warpgroup waited for it in the
-                        # previous K tile, the other one before the previous barrier.
-                        if k + 1 < k_tiles:
-                            nxt = self._ring_state(consumed + k + 1)
-                            ab_pipe.consumer_wait(nxt)
-                            self._dequant_stage(raw_base, scale_base, bf_base, nxt.index, (k + 1) % 3, conv_offsets)
-                            cute.arch.fence_proxy("async.shared", space="cta")
-                        warpgroup.wait_group(1)  # WGMMA k-1 done: its ring stage is free
-                        if k > 0:
-                            ab_pipe.consumer_release(self._ring_state(consumed + k - 1))
-                        self._barrier()  # tile k+1 converted by everyone (and WGMMA k-1 done everywhere)
-                warpgroup.wait_group(0)
+                # The branch on `active` holds the whole K loop: with a WGMMA under a branch inside the loop,
+                # ptxas closes each batch with an empty one, and wait_group(1) then waits for the batch just issued.
+                if active:
+                    self._k_loop(ab_pipe, consumed, k_tiles, tiled_mma, acc, tCrA, tCrB, raw_base, scale_base, bf_base,
+                                 conv_offsets, True)  # fmt: skip
+                else:
+                    self._k_loop(ab_pipe, consumed, k_tiles, tiled_mma, acc, tCrA, tCrB, raw_base, scale_base, bf_base,
+                                 conv_offsets, False)  # fmt: skip
                 self._barrier()  # every WGMMA of the tile is done: the next tile may fill either buffer
                 ab_pipe.consumer_release(self._ring_state(consumed + k_tiles - 1))
                 consumed += k_tiles
@@ -471,6 +440,57 @@ class DequantGroupedGemmSm90(GroupedGemmSm90):
                 tile += grid_x
             if is_mma_wg:
                 store_pipe.producer_tail()
+
+    @cute.jit
+    def _k_loop(self, ab_pipe, consumed, k_tiles, tiled_mma, acc, tCrA, tCrB, raw_base, scale_base, bf_base,
+                conv_offsets, mma: cutlass.Constexpr) -> None:
+        """The tile's K loop from ring position ``consumed`` (K tile 0 converted into buffer 0 already), then
+        ``wait_group(0)``; ``mma``: this warpgroup multiplies (else it only converts its share and keeps the
+        barriers)."""
+        num_kb = cute.size(tCrA, mode=[2])
+        for k in cutlass.range(k_tiles, unroll=1):
+            buf = k % self.bf_buffers
+            cur = self._ring_state(consumed + k)
+            if cutlass.const_expr(mma):
+                warpgroup.fence()
+                for kb in cutlass.range_constexpr(num_kb):
+                    cute.gemm(
+                        tiled_mma,
+                        acc,
+                        tCrA[(None, None, kb, cur.index)],
+                        tCrB[(None, None, kb, buf)],
+                        acc,
+                    )
+                warpgroup.commit_group()  # (a commit with no WGMMA would be an empty batch of its own)
+            if cutlass.const_expr(self.bf_buffers == 2):
+                self._wait_mma(mma, 1)
+                self._barrier()  # every WGMMA k-1 is done: the other buffer is free
+                if k > 0:
+                    ab_pipe.consumer_release(self._ring_state(consumed + k - 1))
+                if k + 1 < k_tiles:
+                    nxt = self._ring_state(consumed + k + 1)
+                    ab_pipe.consumer_wait(nxt)
+                    self._dequant_stage(raw_base, scale_base, bf_base, nxt.index, 1 - buf, conv_offsets)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    self._barrier()
+            else:
+                # Buffer (k+1) % 3 was read by WGMMA k-2: this warpgroup waited for it in the
+                # previous K tile, the other one before the previous barrier.
+                if k + 1 < k_tiles:
+                    nxt = self._ring_state(consumed + k + 1)
+                    ab_pipe.consumer_wait(nxt)
+                    self._dequant_stage(raw_base, scale_base, bf_base, nxt.index, (k + 1) % 3, conv_offsets)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                self._wait_mma(mma, 1)  # WGMMA k-1 done: its ring stage is free
+                if k > 0:
+                    ab_pipe.consumer_release(self._ring_state(consumed + k - 1))
+                self._barrier()  # tile k+1 converted by everyone (and WGMMA k-1 done everywhere)
+        self._wait_mma(mma, 0)
+
+    def _wait_mma(self, mma: bool, pending: int) -> None:
+        """``wait_group(pending)`` where this warpgroup multiplies."""
+        if cutlass.const_expr(mma):
+            warpgroup.wait_group(pending)
 
     def _barrier(self) -> None:
         if not self.probe & 2:
