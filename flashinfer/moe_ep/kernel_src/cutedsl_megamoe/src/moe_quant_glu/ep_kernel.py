@@ -33,7 +33,7 @@ from .kernel import quant_gemms
 class Sm90MegaMoEQuantEpKernel(EpProtocol):
     """Compile-time knobs: those of ``Sm90MegaMoEQuantKernel`` (fmt, activation, limit, tile_m,
     fc1/fc2_tile_n, num_sms, fc1/fc2_stages, use_pdl (GEMMs only), swap_ab, swap_wg, swap_atoms,
-    swap_stagger, prequantized) and of ``EpProtocol`` (world_size, ranks_per_gpu, dispatch, combine_dtype).
+    swap_stagger, swap_narrow, prequantized) and of ``EpProtocol`` (world_size, ranks_per_gpu, dispatch, combine_dtype).
     Every grid has ``num_sms // ranks_per_gpu`` CTAs, the GEMMs' included."""
 
     def __init__(
@@ -57,6 +57,7 @@ class Sm90MegaMoEQuantEpKernel(EpProtocol):
         combine_dtype: str = "bf16",
         swap_atoms: int = 4,
         swap_stagger: int = 0,
+        swap_narrow: bool = False,
     ) -> None:
         super().__init__(activation, tile_m, num_sms, world_size, ranks_per_gpu, 1, dispatch, use_pdl, combine_dtype)
         if fmt not in constants.QUANT_FORMATS:
@@ -71,7 +72,7 @@ class Sm90MegaMoEQuantEpKernel(EpProtocol):
         self.prequantized = prequantized
         self.fc1, self.fc2 = quant_gemms(
             fmt, tile_m, fc1_tile_n, fc2_tile_n, activation, limit, self.grid, fc1_stages, fc2_stages, swap_ab, swap_wg,
-            swap_atoms=swap_atoms, swap_stagger=swap_stagger,
+            swap_atoms=swap_atoms, swap_stagger=swap_stagger, swap_narrow=swap_narrow,
         )  # fmt: skip
 
     @cute.jit

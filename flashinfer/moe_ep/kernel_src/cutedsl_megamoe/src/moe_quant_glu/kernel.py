@@ -54,6 +54,11 @@ class Sm90MegaMoEQuantKernel:
         or 1: fewer rows per warpgroup at every token tile, see ``common.host_utils.swap_tile_plan``).
     :param swap_stagger: K tiles the second consumer warpgroup of a swap-AB CTA starts behind the first
         (0: in lock step; at most half the ring), so one's epilogue overlaps the other's WGMMAs.
+    :param swap_narrow: (``swap_ab`` only) a tile whose real tokens fit 64, 32 or 16 columns (below the token
+        tile) runs the narrowest WGMMA that holds them, on the first columns of its token stage (each expert's
+        last token tile holds its remainder: at 128-token tiles about a fifth of the MMA slots of a uniform
+        prefill are padding otherwise). The conversion of the weights is the same at every width. Output-neutral
+        (the same products per output, summed alike). Off by default: not measured yet (TUNING.md, session 35).
     :param num_sms, fc1_stages, fc2_stages, use_pdl, aux_vpt: as the BF16 kernel.
     :param swap_split_k: (``swap_ab`` only) K parts per CTA tile of the swap-AB GEMMs at most (1, 2,
         4): where that many parts of every tile fit one wave of the grid (few tokens), each part runs
@@ -128,7 +133,10 @@ class Sm90MegaMoEQuantKernel:
         gemv_stages: int = 2,
         pair_blocks: bool = False,
         pair_combine: bool = False,
+        swap_narrow: bool = False,
     ) -> None:
+        if swap_narrow and not swap_ab:
+            raise ValueError("swap_narrow needs the swap-AB GEMMs (swap_ab=True)")
         if pair_blocks and not (gemv and not fc1_early_weights and not gather_early_rows):
             raise ValueError("pair_blocks needs gemv=True, fc1_early_weights=False and gather_early_rows=False")
         if pair_combine and not pair_blocks:
@@ -174,7 +182,7 @@ class Sm90MegaMoEQuantKernel:
         self.fc1, self.fc2 = quant_gemms(
             fmt, tile_m, fc1_tile_n, fc2_tile_n, activation, limit, num_sms, fc1_stages, fc2_stages, swap_ab, swap_wg,
             probe, bf_buffers, swap_atoms, swap_stagger, gather_in_fc1, swap_split_k, fc2_early_weights,
-            fc1_early_weights, gemv, gemv_k_warps, gemv_stages, pair_blocks, prequantized, pair_combine,
+            fc1_early_weights, gemv, gemv_k_warps, gemv_stages, pair_blocks, prequantized, pair_combine, swap_narrow,
         )  # fmt: skip
 
     @cute.jit
@@ -301,6 +309,7 @@ def quant_gemms(
     pair_blocks: bool = False,
     prequantized: bool = False,
     pair_combine: bool = False,
+    swap_narrow: bool = False,
 ) -> tuple:
     """FC1 (the activation and the requantization to the FC2 input format in its epilogue) and FC2 of the
     block-scaled kernels (world size 1 and EP): the swap-AB GEMMs (weights dequantized in registers,
@@ -310,7 +319,8 @@ def quant_gemms(
     weight loads before its wait (``early_w``), FC1's trigger after its own; ``fc1_early_weights``: FC1's
     weight loads before its wait (the gather before it triggers after its own wait); ``gemv``: both as
     ``gemv.GemvDequantSm90`` (the same early loads); ``pair_blocks`` / ``pair_combine``: the GEMVs' pair chain
-    (FC1 preparing its token's row, of codes with ``prequantized``; FC2 combining)."""
+    (FC1 preparing its token's row, of codes with ``prequantized``; FC2 combining); ``swap_narrow``: the swap-AB
+    GEMMs' narrower WGMMAs for tiles of few real tokens (``SwapDequantGemmSm90(narrow=True)``)."""
     if gemv:
         fc1 = GemvDequantSm90(fmt, tile_m, activation, limit, requant=True, k_warps=gemv_k_warps,
                               early_w=fc1_early_weights, trigger_after_wait=fc2_early_weights,
@@ -321,7 +331,8 @@ def quant_gemms(
                               pair_combine=pair_combine)  # fmt: skip
         return fc1, fc2
     if swap_ab:
-        swap = {"max_wg": swap_wg, "max_atoms": swap_atoms, "stagger": swap_stagger, "split_k": swap_split_k}
+        swap = {"max_wg": swap_wg, "max_atoms": swap_atoms, "stagger": swap_stagger, "split_k": swap_split_k,
+                "narrow": swap_narrow}  # fmt: skip
         fc1 = SwapDequantGemmSm90(
             fmt, tile_m, activation, limit, grid, fc1_stages, requant=True, gather_b=gather_in_fc1,
             early_w=fc1_early_weights, trigger_after_wait=fc2_early_weights, **swap,

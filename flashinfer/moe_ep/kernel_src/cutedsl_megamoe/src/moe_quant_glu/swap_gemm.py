@@ -31,6 +31,14 @@ tokens per expert at decode, where the time is the weight stream; 64 and 128 for
   same moments), not at prefill, where the epilogue competes for those slots rather than leaving
   tensor-core time to fill.
 
+Narrow tiles (``narrow``): an M block's real tokens come first in its token tile, and an expert's last
+block holds its remainder (at 128-token tiles and 256 +- 16 pairs per expert, about half the experts
+have a third tile of some 13 tokens). Such a tile runs the narrowest WGMMA of 64, 32 or 16 columns that
+holds its real tokens (one choice per tile, the same in every thread), over the first rows of its
+token stage and the first accumulators of each atom: a WGMMA's fragment of N columns is the prefix of
+the one of 2N. The conversion, the loads and the epilogue do not change. Each width's branch holds its
+own ``commit_group`` (see ``_wgmma_at_width``).
+
 Early weights (``early_w``, FC2): the weight data and scales do not depend on FC1, so the producer
 warp issues their loads for its first work unit's first ring stages before ``griddepcontrol.wait``,
 and the token tile (FC1's output) after it, as the BF16 ``grouped_gemm``'s ``early_b`` does; FC1 then
@@ -113,6 +121,7 @@ class SwapDequantGemmSm90:
         split_k: int = 1,
         early_w: bool = False,
         trigger_after_wait: bool = False,
+        narrow: bool = False,
     ) -> None:
         if early_w and gather_b:
             raise ValueError("early_w needs TMA-loaded token tiles (gather_b=False)")
@@ -140,6 +149,8 @@ class SwapDequantGemmSm90:
         if split_k not in constants.SWAP_SPLIT_FACTORS:
             raise ValueError(f"split_k must be one of {constants.SWAP_SPLIT_FACTORS}, got {split_k}")
         self.split_k = split_k
+        # narrow: WGMMA widths below the token tile, for tiles whose real tokens fit them (halving to 16)
+        self.narrow_widths = tuple(w for w in (64, 32, 16) if w < tok_tile) if narrow else ()
         self.tile_k = constants.TILE_K
         self.data_bytes = constants.QUANT_DATA_BYTES[fmt]
         self.scales_per_tile = constants.QUANT_SCALES_PER_TILE[fmt]
@@ -167,16 +178,7 @@ class SwapDequantGemmSm90:
         self.num_threads = (1 + self.num_wg) * self.threads_per_wg
         self.producer_regs, self.consumer_regs = SWAP_WG_REGS[self.num_wg]
 
-        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            cutlass.BFloat16,
-            cutlass.BFloat16,
-            utils.LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
-            utils.LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
-            self.acc_dtype,
-            (1, 1, 1),
-            tiler_mn=(64, self.tok_tile),
-            a_source=warpgroup.OperandSource.RMEM,
-        )
+        self.tiled_mma = self._make_mma(self.tok_tile)
         data_bytes = self.cta_rows * self.data_bytes
         scale_bytes = self.cta_rows * self.scales_per_tile
         b_bytes = self.tok_tile * self.tile_k * 2
@@ -196,6 +198,19 @@ class SwapDequantGemmSm90:
         )
         self.data_stage_bytes = data_bytes
         self.scale_stage_bytes = scale_bytes
+
+    def _make_mma(self, width: int) -> cute.TiledMma:
+        """The warpgroup's WGMMA: 64 weight rows (A from registers) x ``width`` tokens (B in shared memory)."""
+        return sm90_utils.make_trivial_tiled_mma(
+            cutlass.BFloat16,
+            cutlass.BFloat16,
+            utils.LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
+            utils.LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
+            self.acc_dtype,
+            (1, 1, 1),
+            tiler_mn=(64, width),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
 
     def launch(
         self,
@@ -409,6 +424,19 @@ class SwapDequantGemmSm90:
             thr_mma = tiled_mma.get_slice(ctid)
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
             acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.wg_rows, self.tok_tile)), self.acc_dtype)
+            # (tiled MMA, B fragment, accumulator) per width: the token tile, then with `narrow` each narrower
+            # width w: its WGMMA over the first w token rows of every B stage and the first w / 2 accumulators of
+            # each atom (a WGMMA's fragment of w columns is the prefix of the wider one's)
+            mmas = [(tiled_mma, tCrB, acc)]
+            for w in self.narrow_widths:
+                mma_w = self._make_mma(w)
+                sB_w = cute.flat_divide(sB, (w, self.tile_k))[(None, None, 0, 0, None)]
+                acc_w = cute.make_tensor(
+                    acc.iterator,
+                    cute.make_layout(((2, 2, w // 8), self.atoms, 1), stride=((1, 2, 4), self.tok_tile // 2, 0)),
+                )
+                mma_w.set(warpgroup.Field.ACCUMULATE, True)
+                mmas.append((mma_w, mma_w.make_fragment_B(mma_w.get_slice(ctid).partition_B(sB_w)), acc_w))
             a_shape = thr_mma.partition_shape_A((self.wg_rows, self.tile_k))
             frags = [cute.make_rmem_tensor(a_shape, cutlass.BFloat16) for _ in range(2)]
             words = [cute.recast_tensor(f, cutlass.Uint32) for f in frags]
@@ -429,6 +457,10 @@ class SwapDequantGemmSm90:
                 block = m_block_expert[m_blk]
                 expert = block & 0xFFFF
                 valid_rows = block >> 16
+                width = cutlass.Int32(0)  # narrow: the narrowest WGMMA width (index in mmas) holding the real tokens
+                for i in cutlass.range_constexpr(len(self.narrow_widths)):
+                    if valid_rows <= self.narrow_widths[i]:
+                        width = cutlass.Int32(i + 1)
                 # loaded before the K loop: off the epilogue's path
                 alpha = self._alpha(expert, w_gscale, act_gscale)
                 out_gs = self._out_gscale(act_gscale)
@@ -437,18 +469,16 @@ class SwapDequantGemmSm90:
                 for k2 in cutlass.range(kn // 2, unroll=1):
                     for par in cutlass.range_constexpr(2):
                         n = consumed + 2 * k2 + par
-                        self._k_step(
-                            ab_pipe, n, tiled_mma, acc, frags[par], words[par], tCrB, data_base, scale_base, offsets
-                        )
+                        self._k_step(ab_pipe, n, mmas, width, frags[par], words[par], data_base, scale_base, offsets)
                         if n > 0:  # WGMMA n-1 is done: free its stage (the previous tile's last, at k = 0)
                             ab_pipe.consumer_release(self._ring_state(n - 1))
                         self._stagger_release(lag, n, wg)
                 if cutlass.const_expr(self.split_k == 1):
                     if cutlass.const_expr(k_tiles % 2 == 1):
-                        self._last_odd_step(ab_pipe, consumed + kn - 1, lag, wg, tiled_mma, acc, frags, words, tCrB,
+                        self._last_odd_step(ab_pipe, consumed + kn - 1, lag, wg, mmas, width, frags, words,
                                             data_base, scale_base, offsets)  # fmt: skip
                 elif kn % 2 == 1:
-                    self._last_odd_step(ab_pipe, consumed + kn - 1, lag, wg, tiled_mma, acc, frags, words, tCrB,
+                    self._last_odd_step(ab_pipe, consumed + kn - 1, lag, wg, mmas, width, frags, words,
                                         data_base, scale_base, offsets)  # fmt: skip
                 warpgroup.wait_group(0)  # the tile's last stage is freed by the next tile's first step
                 consumed += kn
@@ -468,9 +498,9 @@ class SwapDequantGemmSm90:
         return ring_state(self.ab_stages, n)
 
     @cute.jit
-    def _last_odd_step(self, ab_pipe, n, lag, wg, tiled_mma, acc, frags, words, tCrB, data_base, scale_base, offsets):
+    def _last_odd_step(self, ab_pipe, n, lag, wg, mmas, width, frags, words, data_base, scale_base, offsets):
         """The last K tile of an odd count (fragment 0)."""
-        self._k_step(ab_pipe, n, tiled_mma, acc, frags[0], words[0], tCrB, data_base, scale_base, offsets)
+        self._k_step(ab_pipe, n, mmas, width, frags[0], words[0], data_base, scale_base, offsets)
         if n > 0:
             ab_pipe.consumer_release(self._ring_state(n - 1))
         self._stagger_release(lag, n, wg)
@@ -629,9 +659,10 @@ class SwapDequantGemmSm90:
                 if n == lag - 1:
                     cute.arch.barrier_arrive(barrier_id=STAGGER_BARRIER, number_of_threads=2 * self.threads_per_wg)
 
-    def _k_step(self, ab_pipe, n, tiled_mma, acc, frag, frag_words, tCrB, data_base, scale_base, offsets):
+    def _k_step(self, ab_pipe, n, mmas, width, frag, frag_words, data_base, scale_base, offsets):
         """K tile number ``n`` of the ring: convert into ``frag`` (its previous reader, WGMMA n-2, is
-        done: ``wait_group(1)`` after WGMMA n-1), WGMMA from registers, then wait for WGMMA n-1."""
+        done: ``wait_group(1)`` after WGMMA n-1), WGMMA from registers (``mmas[width]``), then wait for
+        WGMMA n-1."""
         state = self._ring_state(n)
         ab_pipe.consumer_wait(state)
         if cutlass.const_expr(self.gather_b):
@@ -643,11 +674,29 @@ class SwapDequantGemmSm90:
             frag_words,
             offsets,
         )
+        if cutlass.const_expr(len(mmas) == 1):
+            self._wgmma_batch(mmas[0], frag, state.index)
+        else:
+            self._wgmma_at_width(mmas, width, frag, state.index)
+        warpgroup.wait_group(1)
+
+    def _wgmma_batch(self, mma, frag, stage) -> None:
+        """One K tile's WGMMAs of ring stage ``stage`` with ``mma`` = (tiled MMA, B fragment, accumulator), as one
+        committed batch."""
+        tiled_mma, tCrB, acc = mma
         warpgroup.fence()
         for kb in range(self.tile_k // 16):
-            cute.gemm(tiled_mma, acc, frag[(None, None, kb)], tCrB[(None, None, kb, state.index)], acc)
+            cute.gemm(tiled_mma, acc, frag[(None, None, kb)], tCrB[(None, None, kb, stage)], acc)
         warpgroup.commit_group()
-        warpgroup.wait_group(1)
+
+    @cute.jit
+    def _wgmma_at_width(self, mmas, width, frag, stage) -> None:
+        """``_wgmma_batch`` with ``mmas[width]`` (the same in every thread of the CTA). Each branch commits its own
+        batch: with the commit after the join, ptxas closes every batch with an empty one there (so the
+        ``wait_group(1)`` after it would wait for the batch just issued)."""
+        for i in cutlass.range_constexpr(len(mmas)):
+            if width == i:
+                self._wgmma_batch(mmas[i], frag, stage)
 
     def _lane_offsets(self, wg, warp, lane):
         """Per-thread shared-memory offsets, constant over the kernel.
