@@ -56,7 +56,7 @@ QUANT_EP_KERNEL_CALL = (*QUANT_OPERANDS, "out", *EP_STATE_CALL, "stream")
 #: constructor keywords the shim passes to both block-scaled kernels, and those the EP kernels add
 QUANT_KERNEL_INIT = (
     "fmt", "activation", "limit", "tile_m", "fc1_tile_n", "fc2_tile_n", "num_sms", "fc1_stages", "fc2_stages",
-    "swap_ab", "swap_wg", "swap_atoms", "swap_stagger", "prequantized",
+    "swap_ab", "swap_wg", "swap_atoms", "swap_stagger", "swap_narrow", "prequantized",
 )  # fmt: skip
 EP_KERNEL_INIT = ("world_size", "ranks_per_gpu", "dispatch", "combine_dtype")
 

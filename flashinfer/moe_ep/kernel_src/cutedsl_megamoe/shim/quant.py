@@ -38,7 +38,9 @@ class QuantKnobs:
     warpgroup, so more warpgroups or CTAs convert the same weights); ``swap_stagger`` the K tiles (0
     to 8, the kernel caps it at half its ring) by which the second consumer warpgroup of a CTA of two
     trails the first (0: lock step; CTAs of one or four warpgroups ignore it), so the two do not
-    convert, multiply and run their epilogues at the same moments. ``gather_in_fc1`` (``swap_ab``,
+    convert, multiply and run their epilogues at the same moments. ``swap_narrow`` (``swap_ab``; drop v49; off,
+    not yet measured): a token tile whose real tokens fit 64, 32 or 16 columns runs that narrower WGMMA (each
+    expert's last tile holds its remainder). ``gather_in_fc1`` (``swap_ab``,
     world size 1): each token's activation row is prepared once and the swap-AB FC1 loads its token
     columns from there through the row map, instead of a prepared copy per pair. ``swap_split_k``
     (``swap_ab``, world size 1; 1, 2 or 4): where that many K parts of every CTA tile of a swap-AB GEMM
@@ -70,6 +72,7 @@ class QuantKnobs:
     swap_wg: int = 2
     swap_atoms: int = 4
     swap_stagger: int = 0
+    swap_narrow: bool = False
     gather_in_fc1: bool = False
     swap_split_k: int = 1
     fc2_early_weights: bool = False
@@ -183,6 +186,8 @@ class QuantFrontend(KernelFrontend):
             raise ValueError(f"tile_m must be 64 or 128 for the {self.fmt} kernel, got {k.tile_m}")
         if k.gather_in_fc1 and not k.swap_ab:
             raise ValueError("gather_in_fc1 needs the swap-AB GEMMs (swap_ab=True)")
+        if k.swap_narrow and not (k.swap_ab and not k.gemv):
+            raise ValueError("swap_narrow needs the swap-AB GEMMs (swap_ab=True, gemv=False)")
         splits = kh.constants.SWAP_SPLIT_FACTORS
         if k.swap_split_k not in splits:
             raise ValueError(f"swap_split_k must be one of {splits}, got {k.swap_split_k}")
@@ -246,6 +251,7 @@ class QuantFrontend(KernelFrontend):
             "swap_wg": k.swap_wg,
             "swap_atoms": k.swap_atoms,
             "swap_stagger": k.swap_stagger,
+            "swap_narrow": k.swap_narrow,
             "prequantized": self.prequantized,
         }
 

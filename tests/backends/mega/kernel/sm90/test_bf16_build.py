@@ -18,7 +18,7 @@ from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
 from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import frontend as frontend_mod
 from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import kernel_cache, kernel_resources
 
-from .sass import pdl_order
+from .sass import pdl_order, wgmma_batches
 
 pytestmark = pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")
 
@@ -75,6 +75,20 @@ def test_fc2_loads_its_first_weights_before_waiting_for_fc1(tmp_path: Path) -> N
         orders[name] = [pdl_order(code) for kernel, code in sass.items() if "GroupedGemm" in kernel]
     assert orders["on"] == [(0, False), (1, True)]
     assert orders["off"] == orders["clusters"] == [(0, True), (0, True)]
+
+
+@pytest.mark.skipif(kernel_resources.find_cuobjdump() is None, reason="needs cuobjdump (pip install .[test])")
+def test_grouped_gemms_keep_a_wgmma_batch_in_flight(tmp_path: Path) -> None:
+    """Drop v47: the padding branch holds the whole K loop, so no GEMM closes its batches with an empty one
+    (drops <= v46: `if active:` around the WGMMAs inside the loop made every ``wait_group(1)`` wait for the
+    batch just issued). ``mma_overlap`` on (the default) waits with one batch pending; off, with none."""
+    for knobs, in_flight in (({"tile_m": 64}, True), ({"cluster_m": 2}, True), ({"mma_overlap": False}, False)):
+        sass = kernel_resources.kernel_sass(_frontend(**knobs).build(tmp_path / str(len(knobs)) / str(in_flight)))
+        for kernel, code in sass.items():
+            if "GroupedGemm" in kernel:
+                b = wgmma_batches(code)
+                assert b["hgmma"] > 0 and b["empty"] == 0, (knobs, kernel, b)
+                assert (b["in_flight"] > 0) == in_flight, (knobs, kernel, b)
 
 
 @pytest.mark.skipif(kernel_resources.find_cuobjdump() is None, reason="needs cuobjdump (pip install .[test])")

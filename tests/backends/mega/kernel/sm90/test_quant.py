@@ -38,7 +38,7 @@ from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
 from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import kernel_cache, kernel_resources
 from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import kernel_helpers as kh
 
-from .sass import pdl_order
+from .sass import pdl_order, wgmma_batches
 
 FORMATS = ("mxfp8", "nvfp4")
 CONFIG = {
@@ -167,6 +167,8 @@ def test_config_validation() -> None:
             bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 128, "gather_in_fc1": True}), 8)
         with pytest.raises(MoEEpConfigError, match="swap_split_k needs the swap-AB GEMMs"):
             bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 128, "swap_split_k": 2}), 8)
+        with pytest.raises(MoEEpConfigError, match="swap_narrow needs the swap-AB GEMMs"):
+            bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 128, "swap_narrow": True}), 8)
         with pytest.raises(MoEEpConfigError, match="fc2_early_weights needs the swap-AB GEMMs"):
             bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 128, "fc2_early_weights": True}), 8)
         # FC1's early weight loads need the gather kernel before FC1 (its trigger orders the routing)
@@ -570,6 +572,27 @@ def test_four_consumer_warpgroups_share_the_register_file(tmp_path: Path, fmt: s
             ops = sorted(line.split("USETMAXREG.")[1].split()[0] + " " + line.split()[-1]
                          for line in sass if "USETMAXREG." in line)  # fmt: skip
             assert ops == ["DEALLOC.CTAPOOL 0x18", "TRY_ALLOC.CTAPOOL 0x70"], (name, ops)
+
+
+@pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")
+@pytest.mark.skipif(kernel_resources.find_cuobjdump() is None, reason="needs cuobjdump (pip install .[test])")
+def test_block_scaled_gemms_keep_a_wgmma_batch_in_flight(tmp_path: Path) -> None:
+    """No block-scaled GEMM closes its WGMMA batches with an empty one (``sass.wgmma_batches``): the fallback
+    GEMM (64-row tiles; drop v48 took its padding branch around the whole K loop), and the swap-AB GEMMs with
+    ``swap_narrow`` (drop v49), where each of the widths 128, 64, 32 and 16 commits its own batch inside its
+    branch; every K loop waits with one batch pending."""
+    cases = (('{"tile_m": 64, "fc1_tile_n": 128, "fc2_tile_n": 128}', "DequantGroupedGemm", None),
+             ('{"tile_m": 128, "swap_ab": true, "swap_narrow": true}', "SwapDequantGemm", {128, 64, 32, 16}))  # fmt: skip
+    for i, (knobs, gemm, widths) in enumerate(cases):
+        sass = kernel_resources.kernel_sass(_swap_gemm_lib(tmp_path / str(i), knobs))
+        codes = [code for kernel, code in sass.items() if gemm in kernel]
+        assert len(codes) == 2, list(sass)
+        for code in codes:
+            b = wgmma_batches(code)
+            assert b["hgmma"] > 0 and b["empty"] == 0 and b["in_flight"] > 0, (knobs, b)
+            if widths:
+                found = {int(m.group(1)) for line in code if (m := re.search(r"\bHGMMA\.64x(\d+)x16\.F32", line))}
+                assert found == widths, (knobs, found)
 
 
 @pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")

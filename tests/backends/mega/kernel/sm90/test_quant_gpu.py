@@ -125,6 +125,19 @@ GPU_VARIANTS = [
                                                "knobs": {"tile_m": tok, "swap_ab": True}})
     for fmt in FORMATS for tok in (64, 128)
 ] + [
+    # narrower WGMMAs for tiles of few real tokens (swap_narrow, drop v49): every width class below the
+    # token tile is reached over TOKENS and the routings (T = 60: 15 pairs per expert, 16 columns; 128:
+    # 32; 300: 75, the whole 128-token tile; 2000: full tiles plus each expert's remainder); gathered
+    # token rows at 128, the TMA-loaded ones at 64, and a non-gated FC1
+    (f"{fmt}-small512-swiglu-swap{tok}-narrow", fmt,
+     {**SMALL, "hidden_size": 512, "intermediate_size": 256, "activation": "swiglu", "activation_limit": None,
+      "knobs": {"tile_m": tok, "swap_ab": True, "swap_narrow": True, "gather_in_fc1": tok == 128}})
+    for fmt in FORMATS for tok in (64, 128)
+] + [
+    (f"{fmt}-small-relu2-swap128-narrow", fmt, {**SMALL, "activation": "relu2", "activation_limit": None,
+                                                "knobs": {"tile_m": 128, "swap_ab": True, "swap_narrow": True}})
+    for fmt in FORMATS
+] + [
     (f"{fmt}-small-relu2-swap64", fmt, {**SMALL, "activation": "relu2", "activation_limit": None,
                                         "knobs": {"tile_m": 64, "swap_ab": True}})
     for fmt in FORMATS
