@@ -581,8 +581,10 @@ def test_block_scaled_gemms_keep_a_wgmma_batch_in_flight(tmp_path: Path) -> None
     GEMM (64-row tiles; drop v48 took its padding branch around the whole K loop), and the swap-AB GEMMs with
     ``swap_narrow`` (drop v49), where each of the widths 128, 64, 32 and 16 commits its own batch inside its
     branch; every K loop waits with one batch pending."""
-    cases = (('{"tile_m": 64, "fc1_tile_n": 128, "fc2_tile_n": 128}', "DequantGroupedGemm", None),
-             ('{"tile_m": 128, "swap_ab": true, "swap_narrow": true}', "SwapDequantGemm", {128, 64, 32, 16}))  # fmt: skip
+    cases = (
+        ('{"tile_m": 64, "fc1_tile_n": 128, "fc2_tile_n": 128}', "DequantGroupedGemm", None),
+        ('{"tile_m": 128, "swap_ab": true, "swap_narrow": true}', "SwapDequantGemm", {128, 64, 32, 16}),
+    )
     for i, (knobs, gemm, widths) in enumerate(cases):
         sass = kernel_resources.kernel_sass(_swap_gemm_lib(tmp_path / str(i), knobs))
         codes = [code for kernel, code in sass.items() if gemm in kernel]
