@@ -82,8 +82,9 @@ def test_grouped_gemms_keep_a_wgmma_batch_in_flight(tmp_path: Path) -> None:
     """Drop v47: the padding branch holds the whole K loop, so no GEMM closes its batches with an empty one
     (drops <= v46: `if active:` around the WGMMAs inside the loop made every ``wait_group(1)`` wait for the
     batch just issued). ``mma_overlap`` on (the default) waits with one batch pending; off, with none."""
-    for knobs, in_flight in (({"tile_m": 64}, True), ({"cluster_m": 2}, True), ({"mma_overlap": False}, False)):
-        sass = kernel_resources.kernel_sass(_frontend(**knobs).build(tmp_path / str(len(knobs)) / str(in_flight)))
+    cases = (({"tile_m": 64}, True), ({"cluster_m": 2}, True), ({"mma_overlap": False}, False))
+    for i, (knobs, in_flight) in enumerate(cases):
+        sass = kernel_resources.kernel_sass(_frontend(**knobs).build(tmp_path / str(i)))
         for kernel, code in sass.items():
             if "GroupedGemm" in kernel:
                 b = wgmma_batches(code)
