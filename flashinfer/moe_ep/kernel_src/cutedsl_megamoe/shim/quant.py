@@ -38,9 +38,9 @@ class QuantKnobs:
     warpgroup, so more warpgroups or CTAs convert the same weights); ``swap_stagger`` the K tiles (0
     to 8, the kernel caps it at half its ring) by which the second consumer warpgroup of a CTA of two
     trails the first (0: lock step; CTAs of one or four warpgroups ignore it), so the two do not
-    convert, multiply and run their epilogues at the same moments. ``swap_narrow`` (``swap_ab``; drop v49; off,
-    not yet measured): a token tile whose real tokens fit 64, 32 or 16 columns runs that narrower WGMMA (each
-    expert's last tile holds its remainder). ``gather_in_fc1`` (``swap_ab``,
+    convert, multiply and run their epilogues at the same moments. ``swap_narrow`` (``swap_ab``; drop v49; off by
+    default, on in the backend's ``swap32`` / ``swap64`` buckets): a token tile whose real tokens fit 64, 32 or 16
+    columns runs that narrower WGMMA (each expert's last tile holds its remainder). ``gather_in_fc1`` (``swap_ab``,
     world size 1): each token's activation row is prepared once and the swap-AB FC1 loads its token
     columns from there through the row map, instead of a prepared copy per pair. ``swap_split_k``
     (``swap_ab``, world size 1; 1, 2 or 4): where that many K parts of every CTA tile of a swap-AB GEMM

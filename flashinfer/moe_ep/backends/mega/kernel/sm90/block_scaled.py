@@ -315,6 +315,12 @@ class TokenBucket:
 #:   8, 112 registers each): session 18, 7-13 % faster at T = 16 and 128 on all three contracts; MXFP8,
 #:   which streams at the DRAM rate there, within +-2 %, so it keeps two warpgroups with the stagger
 #:   (which only two-warpgroup CTAs apply).
+#: - ``swap32`` / ``swap64`` run a tile's narrowest WGMMA that holds its real tokens (``swap_narrow``, drop v49,
+#:   session 36, H200, interleaved A/B, outputs bitwise equal): NVFP4 0.89-0.97x of the full tile's time at
+#:   T = 192-512 on qwen3 and deepseek-v3 T = 512 / 1024 0.975 / 0.949x; MXFP8 0.97-1.005x (deepseek-v3 T = 1024
+#:   0.954x). Not ``swap128`` (H100, T = 1024-16384: 0.99-1.04x, slower at every T >= 4096): its tiles are
+#:   mostly full, and the per-tile branch costs more than the columns it saves. Measured at world size 1;
+#:   the EP kernels take the same bucket knobs (their GEMMs are the same code), not measured there.
 #: - ``decode`` / ``prefill``: 64 / 128-row M tiles (shared-memory dequantization), for the shapes the
 #:   swap-AB GEMMs cannot tile (sizes not multiples of 128, or gate/up not interleaved per 256).
 #: - Early weight loads (drop v34, session 23, interleaved A/B in CUDA graphs, outputs bitwise equal):
@@ -341,6 +347,7 @@ class TokenBucket:
 #:   0.953-0.956x of ``sparse16``'s time (three runs), so both formats up to 1/8 pair per expert.
 _EARLY = {"fc2_early_weights": True, "gather_early_rows": True}
 _GATHER = {"swap_ab": True, "gather_in_fc1": True, **_EARLY}
+_NARROW = {"swap_narrow": True}
 _SPARSE16 = {"tile_m": 16, "swap_ab": True, "swap_atoms": 2, **_EARLY, "fc1_early_weights": True}
 BUCKETS = (
     TokenBucket(
@@ -384,8 +391,14 @@ BUCKETS = (
         fallback="decode",
         format_knobs={"nvfp4": {"swap_wg": 4, "swap_atoms": 2}},
     ),
-    TokenBucket("swap32", {"tile_m": 32, **_GATHER}, max_pairs_per_expert=16, fallback="decode"),
-    TokenBucket("swap64", {"tile_m": 64, **_GATHER}, 32, "decode", format_knobs={"mxfp8": {"gather_in_fc1": False}}),
+    TokenBucket("swap32", {"tile_m": 32, **_GATHER, **_NARROW}, max_pairs_per_expert=16, fallback="decode"),
+    TokenBucket(
+        "swap64",
+        {"tile_m": 64, **_GATHER, **_NARROW},
+        32,
+        "decode",
+        format_knobs={"mxfp8": {"gather_in_fc1": False}},
+    ),
     TokenBucket("swap128", {"tile_m": 128, **_GATHER}, fallback="prefill"),
 )
 #: bucket knobs of the world-size-1 kernel only (the EP kernels' dispatch moves prepared rows already)
