@@ -43,10 +43,11 @@ def build_quant(cache: Path, shard: tuple[int, int] = (0, 1), bench_only: bool =
     from flashinfer.moe_ep.core.contracts import get_contract
     from tests.backends.mega.kernel.sm90.test_quant_gpu import CONFIG_CLS, GEMV_KNOBS, GPU_VARIANTS
 
-    variants = [] if bench_only else [(name, CONFIG_CLS[fmt](**geometry)) for name, fmt, geometry in GPU_VARIANTS]
+    tests = [] if bench_only else GPU_VARIANTS
+    variants = [(name, CONFIG_CLS[fmt](**geometry)) for name, fmt, geometry in tests]
     # test_pair_chain_gives_the_gemvs_bits: each pair-chain variant's twin, the routed GEMV chain on its geometry
     variants += [(f"{name}-twin", CONFIG_CLS[fmt](**{**geometry, "knobs": GEMV_KNOBS}))
-                 for name, fmt, geometry in ([] if bench_only else GPU_VARIANTS) if "-pairs" in name]  # fmt: skip
+                 for name, fmt, geometry in tests if "-pairs" in name]  # fmt: skip
     for fmt, cls in CONFIG_CLS.items():
         for name in BENCH_CONTRACTS:
             c = get_contract(name)
