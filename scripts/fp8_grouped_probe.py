@@ -12,7 +12,8 @@ uniform top-k routing (T = 4096 and 16384 by default):
   CTAs over ``m_block_expert``, a padding warpgroup skips its MMAs) with FP8 operands: per 128 of K, four
   FP8 WGMMAs chained in a scratch accumulator, one wait, then ``acc += scratch * sa[row] * sb[col]``
   (``sa``: the A row's per-128 multiplier, ``sb``: the weight row's); the stage's scales ride the TMA ring;
-  bf16 out through the parent's stmatrix + TMA-store epilogue.
+  bf16 out through the parent's stmatrix + TMA-store epilogue; ``fp8b128c2_n128`` with the parent's
+  ``cluster_m=2`` weight-tile multicast (the scales each CTA loads whole).
 - ``bf16_n256`` / ``bf16_n128``: the drop's BF16 ``GroupedGemmSm90`` (plain epilogue, no cluster, the
   default ``mma_overlap``) on the same routing, with the dequantized operands in BF16; ``bf16c2_n256`` with
   ``cluster_m=2``, as the BF16 layer's prefill bucket runs its GEMMs (adjacent M blocks paired, no pair table).
@@ -52,6 +53,7 @@ NUM_SMS = 132
 #: name -> (mode, tile_n)
 VARIANTS = {
     "fp8b128_n128": ("fp8b128", 128),
+    "fp8b128c2_n128": ("fp8b128c2", 128),
     "bf16_n256": ("bf16", 256),
     "bf16_n128": ("bf16", 128),
     "bf16c2_n256": ("bf16c2", 256),
@@ -103,10 +105,10 @@ def make_kernel_classes():
         """C[rows of M block b] = (A * sa) @ (B[expert(b)] * sb)^T, A and B E4M3 codes with one fp32 multiplier
         per row and 128 of K; the parent's scheduling, producer roles and TMA-store epilogue."""
 
-        def __init__(self, tile_n: int) -> None:
+        def __init__(self, tile_n: int, cluster_m: int = 1) -> None:
             if tile_n not in (64, 128):
                 raise ValueError("accumulator and scratch take 2 x tile_n / 2 registers a thread: tile_n <= 128")
-            super().__init__(TILE_M, tile_n, "plain", None, NUM_SMS)
+            super().__init__(TILE_M, tile_n, "plain", None, NUM_SMS, cluster_m=cluster_m)
             self.tile_k = TILE_K_FP8
             self.slices = TILE_K_FP8 // 32  # FP8 WGMMAs per K tile
 
@@ -160,13 +162,16 @@ def make_kernel_classes():
             sfa_v = cute.make_tensor(sfa.iterator, cute.select(sfa.layout, mode=[1, 0]))  # (M_cap, K/128)
             sfb_v = cute.make_tensor(sfb.iterator, cute.select(sfb.layout, mode=[2, 1, 0]))  # (N, K/128, E)
             g2s = cpasync.CopyBulkTensorTileG2SOp()
+            b_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_m > 1 else g2s
             a_one = cute.slice_(self.a_smem_layout, (None, None, 0))
             b_one = cute.slice_(self.b_smem_layout, (None, None, 0))
             sfa_one = cute.slice_(self.sfa_layout, (None, None, 0))
             sfb_one = cute.slice_(self.sfb_layout, (None, None, 0))
             epi_one = cute.slice_(self.epi_smem_layout, (None, None, 0))
             tma_a, tma_ta = cpasync.make_tiled_tma_atom(g2s, a, a_one, (self.tile_m, self.tile_k))
-            tma_b, tma_tb = cpasync.make_tiled_tma_atom(g2s, b, b_one, (self.tile_n, self.tile_k))
+            tma_b, tma_tb = cpasync.make_tiled_tma_atom(
+                b_op, b, b_one, (self.tile_n, self.tile_k), num_multicast=self.cluster_m
+            )
             tma_sa, tma_tsa = cpasync.make_tiled_tma_atom(g2s, sfa_v, sfa_one, cute.shape(sfa_one))
             tma_sb, tma_tsb = cpasync.make_tiled_tma_atom(g2s, sfb_v, sfb_one, cute.shape(sfb_one))
             tma_c, tma_tc = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), c, epi_one, self.epi_tile)
@@ -192,7 +197,8 @@ def make_kernel_classes():
                 self.tiled_mma, self.a_smem_layout, self.b_smem_layout, self.sfa_layout, self.sfb_layout,
                 self.epi_smem_layout,
             ).launch(
-                grid=[self.num_sms, 1, 1], block=[self.num_threads, 1, 1], min_blocks_per_mp=1, stream=stream
+                grid=[self.num_sms, 1, 1], block=[self.num_threads, 1, 1], cluster=[self.cluster_m, 1, 1],
+                min_blocks_per_mp=1, stream=stream,
             )  # fmt: skip
 
         @cute.kernel
@@ -231,16 +237,24 @@ def make_kernel_classes():
 
             smem = cutlass.utils.SmemAllocator()
             storage = smem.allocate(self.shared_storage)
+            # cluster_m = 2: the parent's scheme (CTA r of cluster group g takes M block 2g + r; where both
+            # blocks are one expert's, each CTA loads half of every weight tile and multicasts it to both, so a
+            # stage is free once both CTAs' consumers released it); the scales each CTA loads whole
+            cta_layout_mnk = cute.make_layout((self.cluster_m, 1, 1))
+            cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            cluster_coord = cta_layout_mnk.get_flat_coord(cta_rank)
+            b_mcast_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=0)
+            b_self_mask = cutlass.Int16(1) << cta_rank
             ab_pipe = pipeline.PipelineTmaAsync.create(
                 barrier_storage=storage.mbar.data_ptr(),
                 num_stages=self.ab_stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_wg * 4),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.cluster_m * self.num_mma_wg * 4),
                 tx_count=self.tma_bytes,
-                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+                cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)),
                 defer_sync=True,
             )
-            pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+            pipeline.pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, 1), is_relaxed=True)
             sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
             sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
             sC = storage.sC.get_tensor(epi_smem_layout.outer, swizzle=epi_smem_layout.inner)
@@ -258,38 +272,52 @@ def make_kernel_classes():
                                              cute.group_modes(g, 0, 2))  # fmt: skip
 
             tAsA, tAgA = part(tma_a, sA, gA)
-            tBsB, tBgB = part(tma_b, sB, gB)
+            # this CTA's slice of each weight tile, and the partner's (loaded here too when the experts differ)
+            tBsB, tBgB = cpasync.tma_partition(tma_b, cluster_coord[0], cute.make_layout(self.cluster_m),
+                                               cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))  # fmt: skip
+            tBsB_o, tBgB_o = cpasync.tma_partition(tma_b, (cluster_coord[0] + 1) % self.cluster_m,
+                                                   cute.make_layout(self.cluster_m), cute.group_modes(sB, 0, 2),
+                                                   cute.group_modes(gB, 0, 2))  # fmt: skip
             tSAs, tSAg = part(tma_sa, sSA, gSA)
             tSBs, tSBg = part(tma_sb, sSB, gSB)
             k_tiles = cute.size(gB, mode=[3])
             n_tiles = cute.size(gB, mode=[2])
 
-            pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+            pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster_m, 1))
             cute.arch.griddepcontrol_launch_dependents()
             cute.arch.griddepcontrol_wait()
-            num_tiles = meta[0] * n_tiles
+            # tiles (cluster group of M blocks, n); an odd block count ends with the routing's phantom block
+            num_tiles = (meta[0] + self.cluster_m - 1) // self.cluster_m * n_tiles
+            first_tile = bidx // self.cluster_m
+            tile_stride = grid_x // self.cluster_m
 
             if wg_idx == 0:
                 # ------------------------------------------------------------ producer: TMA ring
                 cute.arch.setmaxregister_decrease(self.producer_regs)
                 if warp_idx == 0:
                     prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-                    tile = bidx
+                    tile = first_tile
                     while tile < num_tiles:
-                        m_blk = tile // n_tiles
-                        n_blk = tile - m_blk * n_tiles
+                        grp = tile // n_tiles
+                        n_blk = tile - grp * n_tiles
+                        m_blk = grp * self.cluster_m + cluster_coord[0]
                         expert = m_block_expert[m_blk] & 0xFFFF
+                        share_b = cutlass.Boolean(False)
+                        if cutlass.const_expr(self.cluster_m > 1):  # both CTAs derive it from the same entries
+                            partner = grp * self.cluster_m + (cluster_coord[0] + 1) % self.cluster_m
+                            share_b = (m_block_expert[partner] & 0xFFFF) == expert
                         for k in cutlass.range(k_tiles, unroll=1):
                             ab_pipe.producer_acquire(prod)
                             bar = ab_pipe.producer_get_barrier(prod)
                             s = prod.index
                             cute.copy(tma_a, tAgA[(None, m_blk, k)], tAsA[(None, s)], tma_bar_ptr=bar)
-                            cute.copy(tma_b, tBgB[(None, n_blk, k, expert)], tBsB[(None, s)], tma_bar_ptr=bar)
+                            self._load_b(ab_pipe, prod, tma_b, tBgB, tBsB, tBgB_o, tBsB_o, n_blk, k, expert, share_b,
+                                         b_mcast_mask, b_self_mask)  # fmt: skip
                             cute.copy(tma_sa, tSAg[(None, m_blk, k)], tSAs[(None, s)], tma_bar_ptr=bar)
                             cute.copy(tma_sb, tSBg[(None, n_blk, k, expert)], tSBs[(None, s)], tma_bar_ptr=bar)
                             ab_pipe.producer_commit(prod)
                             prod.advance()
-                        tile += grid_x
+                        tile += tile_stride
                     ab_pipe.producer_tail(prod)
             else:
                 # ------------------------------------------------------------ consumers: MMA + promotion
@@ -327,10 +355,11 @@ def make_kernel_classes():
 
                 read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
                 epi_count = cutlass.Int32(0)
-                tile = bidx
+                tile = first_tile
                 while tile < num_tiles:
-                    m_blk = tile // n_tiles
-                    n_blk = tile - m_blk * n_tiles
+                    grp = tile // n_tiles
+                    n_blk = tile - grp * n_tiles
+                    m_blk = grp * self.cluster_m + cluster_coord[0]
                     valid_rows = m_block_expert[m_blk] >> 16
                     acc.fill(0.0)
                     if valid_rows > wg * 64:
@@ -364,7 +393,7 @@ def make_kernel_classes():
                         tma_c, gC, sC, m_blk, n_blk, warp_idx, tiled_r2s, tRS_sC, tRS_acc, tRS_rD, tRS_rD_out,
                         store_pipe, epi_count,
                     )  # fmt: skip
-                    tile += grid_x
+                    tile += tile_stride
                 store_pipe.producer_tail()
 
     return Fp8Block128GroupedGemm, Bf16Grouped
@@ -387,7 +416,7 @@ def build(out: Path, only: list[str] | None) -> None:
             continue
         t0 = time.time()
         m, n, k, e, kt, nb = (cute.sym_int(divisibility=d) for d in (128, 256, 128, 1, 1, 1))
-        ab = cutlass.Uint8 if mode == "fp8b128" else cutlass.BFloat16
+        ab = cutlass.Uint8 if mode.startswith("fp8") else cutlass.BFloat16
 
         def mat(dtype, shape):
             return make_fake_compact_tensor(dtype, shape, stride_order=tuple(range(len(shape) - 1, -1, -1)),
@@ -403,7 +432,8 @@ def build(out: Path, only: list[str] | None) -> None:
             mat(cutlass.Int32, (cute.sym_int(),)),
             make_fake_stream(use_tvm_ffi_env_stream=True),
         ]
-        kernel = fp8_cls(tile_n) if mode == "fp8b128" else bf16_cls(tile_n, 2 if mode == "bf16c2" else 1)
+        cluster_m = 2 if mode.endswith("c2") else 1
+        kernel = fp8_cls(tile_n, cluster_m) if mode.startswith("fp8") else bf16_cls(tile_n, cluster_m)
         compiled = cute.compile(kernel, *args, options="--enable-tvm-ffi")
         lib = link_library(compiled, out, f"probe_{name}")
         manifest[name] = dict(mode=mode, tile_n=tile_n, lib=lib.name)
@@ -507,7 +537,7 @@ def check(fns, p, n: int, experts: list[int], label: str) -> int:
 
 
 def call(v, fn, p, s, c) -> None:
-    if v["mode"] != "fp8b128":
+    if not v["mode"].startswith("fp8"):
         fn(s["a_bf"], s["sfa"], p["b_bf"], p["sfb"], c, p["mbe"], p["meta"])
     else:
         fn(s["a_q"], s["sfa"], p["b_q"], p["sfb"], c, p["mbe"], p["meta"])
