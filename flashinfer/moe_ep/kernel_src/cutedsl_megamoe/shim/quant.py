@@ -40,7 +40,10 @@ class QuantKnobs:
     trails the first (0: lock step; CTAs of one or four warpgroups ignore it), so the two do not
     convert, multiply and run their epilogues at the same moments. ``swap_narrow`` (``swap_ab``; drop v49; off by
     default, on in the backend's ``swap32`` / ``swap64`` buckets): a token tile whose real tokens fit 64, 32 or 16
-    columns runs that narrower WGMMA (each expert's last tile holds its remainder). ``gather_in_fc1`` (``swap_ab``,
+    columns runs that narrower WGMMA (each expert's last tile holds its remainder). ``swap_tma_store`` (``swap_ab``,
+    world size 1; drop v50; off by default, not measured yet): FC2's swap-AB epilogue stages each 8-token group of
+    a warp's 64 features in shared memory and writes it with one TMA store (4-atom tiles; others keep the register
+    stores). ``gather_in_fc1`` (``swap_ab``,
     world size 1): each token's activation row is prepared once and the swap-AB FC1 loads its token
     columns from there through the row map, instead of a prepared copy per pair. ``swap_split_k``
     (``swap_ab``, world size 1; 1, 2 or 4): where that many K parts of every CTA tile of a swap-AB GEMM
@@ -73,6 +76,7 @@ class QuantKnobs:
     swap_atoms: int = 4
     swap_stagger: int = 0
     swap_narrow: bool = False
+    swap_tma_store: bool = False
     gather_in_fc1: bool = False
     swap_split_k: int = 1
     fc2_early_weights: bool = False
@@ -188,6 +192,8 @@ class QuantFrontend(KernelFrontend):
             raise ValueError("gather_in_fc1 needs the swap-AB GEMMs (swap_ab=True)")
         if k.swap_narrow and not (k.swap_ab and not k.gemv):
             raise ValueError("swap_narrow needs the swap-AB GEMMs (swap_ab=True, gemv=False)")
+        if k.swap_tma_store and not (k.swap_ab and not k.gemv):
+            raise ValueError("swap_tma_store needs the swap-AB GEMMs (swap_ab=True, gemv=False)")
         splits = kh.constants.SWAP_SPLIT_FACTORS
         if k.swap_split_k not in splits:
             raise ValueError(f"swap_split_k must be one of {splits}, got {k.swap_split_k}")
@@ -270,6 +276,7 @@ class QuantFrontend(KernelFrontend):
             gemv_stages=k.gemv_stages,
             pair_blocks=k.pair_blocks,
             pair_combine=k.pair_combine,
+            swap_tma_store=k.swap_tma_store,
         )
         return kh.export_moe_quant(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)
 

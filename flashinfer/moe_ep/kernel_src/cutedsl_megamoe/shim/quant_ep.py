@@ -57,6 +57,8 @@ class QuantEpFrontend(EpFrontendMixin, QuantFrontend):
             )
         if self.knobs.gemv:
             raise ValueError("gemv is a world-size-1 knob (the EP kernels keep the swap-AB GEMMs)")
+        if self.knobs.swap_tma_store:
+            raise ValueError("swap_tma_store is a world-size-1 knob (not built into the EP kernels)")
 
     def _export(self, out_dir: Path, function_name: str) -> Path:
         g, k = self.geometry, self.knobs

@@ -169,6 +169,11 @@ def test_config_validation() -> None:
             bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 128, "swap_split_k": 2}), 8)
         with pytest.raises(MoEEpConfigError, match="swap_narrow needs the swap-AB GEMMs"):
             bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 128, "swap_narrow": True}), 8)
+        with pytest.raises(MoEEpConfigError, match="swap_tma_store needs the swap-AB GEMMs"):
+            bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 128, "swap_tma_store": True}), 8)
+        with pytest.raises(MoEEpConfigError, match="swap_tma_store needs the swap-AB GEMMs"):
+            bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 8, "swap_ab": True, "gemv": True,
+                                                                "swap_tma_store": True}), 8)  # fmt: skip
         with pytest.raises(MoEEpConfigError, match="fc2_early_weights needs the swap-AB GEMMs"):
             bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 128, "fc2_early_weights": True}), 8)
         # FC1's early weight loads need the gather kernel before FC1 (its trigger orders the routing)
@@ -599,6 +604,28 @@ def test_block_scaled_gemms_keep_a_wgmma_batch_in_flight(tmp_path: Path) -> None
 
 @pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")
 @pytest.mark.skipif(kernel_resources.find_cuobjdump() is None, reason="needs cuobjdump (pip install .[test])")
+@pytest.mark.parametrize(("knobs", "per_group"), [
+    ('{"tile_m": 128, "swap_ab": true, "swap_tma_store": true}', 1),  # 2 atoms: a warp's 32 features, one x4
+    ('{"tile_m": 16, "swap_ab": true, "swap_tma_store": true}', 2),  # 4 atoms: 64 features, two x4
+])  # fmt: skip
+def test_swap_tma_store_stages_fc2_through_shared_memory(tmp_path: Path, knobs: str, per_group: int) -> None:
+    """``swap_tma_store`` (drop v50): FC2's swap-AB epilogue writes each column group of 8 tokens with transposing
+    ``stmatrix`` (one x4 per 4 groups of 8 features) into the warp's staging buffer and one TMA store, with no
+    32-bit global store or shuffle left; FC1 (gated, register stores) keeps its shuffles and stores."""
+    fc1, fc2 = _swap_gemm_sass(tmp_path, knobs)
+
+    def count(code: list[str], pattern: str) -> int:
+        return sum(1 for line in code if re.search(pattern, line))
+
+    groups = json.loads(knobs)["tile_m"] // 8  # column groups of a tile (the epilogue is unrolled over them)
+    assert count(fc2, r"\bUTMASTG\.2D\b") == groups
+    assert count(fc2, r"\bSTSM\.16\.MT88\.4\b") == per_group * groups
+    assert count(fc2, r"\bSTG\.") == 0 and count(fc2, r"\bSHFL\.BFLY") == 0
+    assert count(fc1, r"\bSTG\.") > 0 and count(fc1, r"\bUTMASTG") == 0
+
+
+@pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")
+@pytest.mark.skipif(kernel_resources.find_cuobjdump() is None, reason="needs cuobjdump (pip install .[test])")
 def test_nvfp4_quantization_divides_without_a_branch(tmp_path: Path) -> None:
     """NVFP4 quantizes the tokens (the gather) and requantizes FC1's output (its epilogue) with IEEE
     divisions by a reciprocal hoisted per block (``block_quant.div_by``, drop v32): no kernel of the
@@ -827,6 +854,9 @@ def test_ep_bucket_frontends_take_the_global_experts_and_the_layer_dispatch(fmt:
         make_frontend(CONFIG[fmt](256, 128, 16, 4), 8, None, EpPlacement(2, 1, "broadcast"))
     with pytest.raises(MoEEpConfigError, match="gather_in_fc1 is a world-size-1 knob"):
         make_frontend(CONFIG[fmt](256, 128, 16, 4, knobs={"tile_m": 16, "swap_ab": True, "gather_in_fc1": True}), 8,
+                      None, EpPlacement(2))  # fmt: skip
+    with pytest.raises(MoEEpConfigError, match="swap_tma_store is a world-size-1 knob"):
+        make_frontend(CONFIG[fmt](256, 128, 16, 4, knobs={"tile_m": 16, "swap_ab": True, "swap_tma_store": True}), 8,
                       None, EpPlacement(2))  # fmt: skip
     for early in ("fc1_early_weights", "fc2_early_weights", "gather_early_rows"):
         with pytest.raises(MoEEpConfigError, match="are world-size-1 knobs"):

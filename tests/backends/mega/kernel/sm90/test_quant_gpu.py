@@ -183,6 +183,27 @@ GPU_VARIANTS = [
                                                    "swap_split_k": 4}})
     for fmt in FORMATS
 ] + [
+    # FC2's epilogue through shared memory and TMA stores (swap_tma_store, drop v50): a warp's 64 features (4 atoms,
+    # 16-token tiles: two stmatrix.x4 per column group, 128-byte rows), 32 (2 atoms, 128-token tiles with gathered
+    # rows and narrow WGMMAs: one x4, 64-byte rows), 16 (four 1-atom warpgroups: one x2, 32-byte rows), and split K
+    # (the last part stores)
+    (f"{fmt}-small512-swiglu-swap{tok}-tma", fmt,
+     {**SMALL, "hidden_size": 512, "intermediate_size": 256, "activation": "swiglu", "activation_limit": None,
+      "knobs": {"tile_m": tok, "swap_ab": True, "swap_tma_store": True, "gather_in_fc1": tok == 128,
+                "swap_narrow": tok == 128}})
+    for fmt in FORMATS for tok in (16, 128)
+] + [
+    (f"{fmt}-small-swiglu-wg4a1-tma", fmt, {**SMALL, "activation": "swiglu", "activation_limit": None,
+                                            "knobs": {"tile_m": 128, "swap_ab": True, "swap_wg": 4, "swap_atoms": 1,
+                                                      "gather_in_fc1": True, "swap_tma_store": True}})
+    for fmt in FORMATS
+] + [
+    (f"{fmt}-split2-tma", fmt, {**SPLIT, "hidden_size": 2048, "intermediate_size": 2048, "activation": "swiglu",
+                                "activation_limit": None,
+                                "knobs": {"tile_m": 16, "swap_ab": True, "swap_stagger": 4, "swap_split_k": 2,
+                                          "swap_tma_store": True}})
+    for fmt in FORMATS
+] + [
     # the expert GEMV (gemv: weights streamed into registers, mma.sync) at every T and activation, with
     # its early loads; K split over 8 warps per CTA (H = 256: more warps than K units, so some add
     # zeros), and over 2 warps with several K units each (the loop after the early unit)
@@ -476,6 +497,33 @@ def test_pair_chain_gives_the_gemvs_bits(variant: str) -> None:
         for t in sorted({1, 2, cap // 2, cap}):
             inp, _ = _pair_inputs(cfg, variant, t, routing, "twin")
             mine = layer.forward(inp).clone()
+            theirs = twin.forward(inp).clone()
+            assert not mine.isnan().any(), (routing, t)
+            assert torch.equal(mine, theirs), (routing, t, (mine.float() - theirs.float()).abs().max().item())
+    twin.destroy()
+
+
+TMA_VARIANTS = [v[0] for v in GPU_VARIANTS if v[0].endswith("-tma")]
+
+
+def register_store_twin(geometry: dict) -> dict:
+    """A ``-tma`` variant's geometry with FC2's register stores (``swap_tma_store`` off): its bitwise twin."""
+    return {**geometry, "knobs": {**geometry["knobs"], "swap_tma_store": False}}
+
+
+@pytest.mark.parametrize("variant", TMA_VARIANTS)
+def test_tma_store_gives_the_register_stores_bits(variant: str) -> None:
+    """``swap_tma_store`` changes only how FC2's epilogue writes its bf16 values (staged in shared memory, one
+    TMA store per column group, instead of 32-bit stores from registers); the values are rounded alike, so the
+    layer's outputs are bitwise equal to the register stores' at every T and routing."""
+    layer, cfg, q, _ = _layer(variant)
+    twin = _layer_of(dataclasses.replace(cfg, knobs={**cfg.knobs, "swap_tma_store": False}), q)
+    assert not any(fe.knobs.swap_tma_store for fe in twin._backend.frontends.values())
+    for routing in ROUTINGS:
+        for i, t in enumerate(TOKENS):
+            inp = fresh_inputs(cfg, t, routing, seed=zlib.crc32(f"{variant}/twin/{routing}/{i}".encode()))
+            mine = torch.full((t, cfg.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
+            layer.forward(inp, output=mine)
             theirs = twin.forward(inp).clone()
             assert not mine.isnan().any(), (routing, t)
             assert torch.equal(mine, theirs), (routing, t, (mine.float() - theirs.float()).abs().max().item())

@@ -40,7 +40,8 @@ class Sm90BlockScaledConfig(MegaKernelConfig):
     16 to 128; where they cannot tile the shape, 64-row M tiles up to 32 tokens per expert and 128-row
     ones above) or a mapping of compile-time knobs for every T (``tile_m`` 64/128, or 16/32/64/128 with
     ``swap_ab``, ``swap_wg`` 1/2/4, ``swap_atoms`` 1/2/4 (4 warpgroups with 1 or 2 atoms),
-    ``swap_stagger`` 0-8 and, at world size 1, ``gather_in_fc1`` and the GEMV (``gemv``, 8-token tiles; its pair chain
+    ``swap_stagger`` 0-8 and, at world size 1, ``gather_in_fc1``, ``swap_tma_store`` (FC2's epilogue through shared
+    memory and TMA stores) and the GEMV (``gemv``, 8-token tiles; its pair chain
     ``pair_blocks`` / ``pair_combine``, at most ``num_experts / top_k`` tokens); ``fc1_tile_n``,
     ``fc2_tile_n``, ``fc1_stages``, ``fc2_stages``, ``num_sms``; at ``world_size > 1`` also
     ``dispatch``, ``"pull"`` (default) or ``"push"``). Hidden and intermediate sizes must be
@@ -413,6 +414,7 @@ WORLD1_KNOBS = (
     "gemv_stages",
     "pair_blocks",
     "pair_combine",
+    "swap_tma_store",
 )
 #: the knobs of the fallback buckets (over the defaults)
 FALLBACKS = {"decode": {"tile_m": 64}, "prefill": {}}

@@ -59,6 +59,11 @@ class Sm90MegaMoEQuantKernel:
         last token tile holds its remainder: at 128-token tiles about a fifth of the MMA slots of a uniform
         prefill are padding otherwise). The conversion of the weights is the same at every width. Output-neutral
         (the same products per output, summed alike). Off by default: not measured yet (TUNING.md, session 35).
+    :param swap_tma_store: (``swap_ab`` only) FC2's swap-AB epilogue stages each group of 8 tokens x a warp's 64
+        features in shared memory (transposing ``stmatrix``) and writes it with one TMA store, instead of a
+        shuffle and a 32-bit store per feature pair (``SwapDequantGemmSm90(tma_store=True)``; where a warp holds
+        fewer features, as with fewer than 4 atoms, FC2 keeps the register stores). Output-neutral. Off by
+        default: not measured yet (TUNING.md, session 37).
     :param num_sms, fc1_stages, fc2_stages, use_pdl, aux_vpt: as the BF16 kernel.
     :param swap_split_k: (``swap_ab`` only) K parts per CTA tile of the swap-AB GEMMs at most (1, 2,
         4): where that many parts of every tile fit one wave of the grid (few tokens), each part runs
@@ -134,9 +139,12 @@ class Sm90MegaMoEQuantKernel:
         pair_blocks: bool = False,
         pair_combine: bool = False,
         swap_narrow: bool = False,
+        swap_tma_store: bool = False,
     ) -> None:
         if swap_narrow and not swap_ab:
             raise ValueError("swap_narrow needs the swap-AB GEMMs (swap_ab=True)")
+        if swap_tma_store and not (swap_ab and not gemv):
+            raise ValueError("swap_tma_store needs the swap-AB GEMMs (swap_ab=True, gemv=False)")
         if pair_blocks and not (gemv and not fc1_early_weights and not gather_early_rows):
             raise ValueError("pair_blocks needs gemv=True, fc1_early_weights=False and gather_early_rows=False")
         if pair_combine and not pair_blocks:
@@ -183,6 +191,7 @@ class Sm90MegaMoEQuantKernel:
             fmt, tile_m, fc1_tile_n, fc2_tile_n, activation, limit, num_sms, fc1_stages, fc2_stages, swap_ab, swap_wg,
             probe, bf_buffers, swap_atoms, swap_stagger, gather_in_fc1, swap_split_k, fc2_early_weights,
             fc1_early_weights, gemv, gemv_k_warps, gemv_stages, pair_blocks, prequantized, pair_combine, swap_narrow,
+            swap_tma_store,
         )  # fmt: skip
 
     @cute.jit
@@ -310,6 +319,7 @@ def quant_gemms(
     prequantized: bool = False,
     pair_combine: bool = False,
     swap_narrow: bool = False,
+    swap_tma_store: bool = False,
 ) -> tuple:
     """FC1 (the activation and the requantization to the FC2 input format in its epilogue) and FC2 of the
     block-scaled kernels (world size 1 and EP): the swap-AB GEMMs (weights dequantized in registers,
@@ -320,7 +330,8 @@ def quant_gemms(
     weight loads before its wait (the gather before it triggers after its own wait); ``gemv``: both as
     ``gemv.GemvDequantSm90`` (the same early loads); ``pair_blocks`` / ``pair_combine``: the GEMVs' pair chain
     (FC1 preparing its token's row, of codes with ``prequantized``; FC2 combining); ``swap_narrow``: the swap-AB
-    GEMMs' narrower WGMMAs for tiles of few real tokens (``SwapDequantGemmSm90(narrow=True)``)."""
+    GEMMs' narrower WGMMAs for tiles of few real tokens (``SwapDequantGemmSm90(narrow=True)``); ``swap_tma_store``:
+    the swap-AB FC2's epilogue through shared memory and TMA stores (``SwapDequantGemmSm90(tma_store=True)``)."""
     if gemv:
         fc1 = GemvDequantSm90(fmt, tile_m, activation, limit, requant=True, k_warps=gemv_k_warps,
                               early_w=fc1_early_weights, trigger_after_wait=fc2_early_weights,
@@ -338,8 +349,9 @@ def quant_gemms(
             early_w=fc1_early_weights, trigger_after_wait=fc2_early_weights, **swap,
         )  # fmt: skip
         fc2 = SwapDequantGemmSm90(
-            fmt, tile_m, "plain", None, grid, fc2_stages, gscale_index=1, early_w=fc2_early_weights, **swap
-        )
+            fmt, tile_m, "plain", None, grid, fc2_stages, gscale_index=1, early_w=fc2_early_weights,
+            tma_store=swap_tma_store, **swap,
+        )  # fmt: skip
         return fc1, fc2
     fc1 = DequantGroupedGemmSm90(fmt, tile_m, fc1_tile_n, activation, limit, grid, fc1_stages, requant=True,
                                  gscale_index=0, probe=probe, bf_buffers=bf_buffers)  # fmt: skip

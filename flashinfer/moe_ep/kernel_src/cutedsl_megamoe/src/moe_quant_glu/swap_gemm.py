@@ -78,6 +78,15 @@ wider than a warp's groups (gated MXFP8 with 2 atoms: two warps; gated with 1 at
 two for NVFP4) the warps trade their partial amax
 through shared memory (one named barrier per warpgroup). Results are stored from registers, two
 features per 32-bit store (lanes i and i ^ 1 swap one column).
+
+Staged stores (``tma_store``, the plain epilogue: a warp's ``8 * groups`` output features, 16 to 64, are one
+row of S = 32 to 128 bytes per token): a column group's 8 tokens x the warp's features go from registers to a
+buffer of the warp (8 S bytes) by transposing ``stmatrix`` (each 8 x 8 matrix of the accumulator fragment is
+a feature row x token pair; ``.trans`` writes token rows), in the TMA swizzle of S bytes (16-byte chunk c of
+row r at chunk ``c ^ ((r S / 128) % (S / 16))``), and one TMA store per group writes them to C. Each warp owns
+``EPI_TMA_BUFS`` buffers and waits for the store that last read a buffer before it writes it again; no barrier
+between warps. Instead of a shuffle and a 32-bit store per feature pair (a warp store: 8 token rows x 16
+bytes), ``groups / 4`` ``stmatrix.x4`` (x2 for 2 groups) and one TMA store of whole rows per column group.
 """
 
 # No `from __future__ import annotations`: cute.struct reads its annotations as objects.
@@ -99,6 +108,31 @@ from .dequant_gemm import box_inner, packed_view, ring_state
 EPI_PLAIN = "plain"
 EPI_AMAX_CHUNK = 4  # column groups (8 tokens each) whose cross-warp amax is exchanged at once
 STAGGER_BARRIER = 3  # named barrier of the consumer stagger (1 + wg: the amax exchange and the split-K count)
+EPI_TMA_BUFS = 2  # tma_store: staging buffers per warp (8 tokens x the warp's features each)
+
+
+def pack_bf16x2(lo: cutlass.Float32, hi: cutlass.Float32) -> cutlass.Uint32:
+    """``lo`` and ``hi`` rounded to BF16 (to nearest even) in one word, ``lo`` in the low half."""
+    return cute.arch.inline_ptx(
+        "cvt.rn.bf16x2.f32 {$w0}, {$r1}, {$r0};", write_only_types=[cutlass.Uint32], read_only_args=[lo, hi]
+    )
+
+
+def stmatrix_x4_trans(addr: cutlass.Int32, w0, w1, w2, w3) -> None:
+    """Four 8 x 8 bf16 matrices to shared memory, transposed: lane t holds row t // 4, columns 2 (t % 4) and
+    + 1 of each (word m: matrix m); lanes 8m..8m+7 give the addresses of the stored rows of matrix m (16 bytes
+    each: column r of the held matrix)."""
+    cute.arch.inline_ptx(
+        "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
+        read_only_args=[addr, w0, w1, w2, w3],
+    )
+
+
+def stmatrix_x2_trans(addr: cutlass.Int32, w0, w1) -> None:
+    """``stmatrix_x4_trans`` for two matrices (lanes 0-15 give the addresses)."""
+    cute.arch.inline_ptx(
+        "stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [{$r0}], {{$r1}, {$r2}};", read_only_args=[addr, w0, w1]
+    )
 
 
 class SwapDequantGemmSm90:
@@ -122,7 +156,10 @@ class SwapDequantGemmSm90:
         early_w: bool = False,
         trigger_after_wait: bool = False,
         narrow: bool = False,
+        tma_store: bool = False,
     ) -> None:
+        self.tma_store_request = tma_store
+        self.tma_store = False  # where the tile plan allows it, set by _setup (the GEMV subclass keeps it off)
         if early_w and gather_b:
             raise ValueError("early_w needs TMA-loaded token tiles (gather_b=False)")
         self.early_w = early_w
@@ -177,6 +214,11 @@ class SwapDequantGemmSm90:
         self.epi_chunk = min(EPI_AMAX_CHUNK, self.tok_tile // 8) if self.block_warps > 1 else 1
         self.num_threads = (1 + self.num_wg) * self.threads_per_wg
         self.producer_regs, self.consumer_regs = SWAP_WG_REGS[self.num_wg]
+        # tma_store in the plain epilogue (a warp's features: 16, 32 or 64 in 2, 4 or 8 groups); gated: register stores
+        self.tma_store = self.tma_store_request and not self.gated
+        self.epi_feats = self.groups * 8  # a warp's output features, one row of 2 * epi_feats bytes per token
+        self.epi_buf_bytes = 8 * self.epi_feats * 2
+        self.epi_buffers = 4 * self.num_wg * EPI_TMA_BUFS if self.tma_store else 0
 
         self.tiled_mma = self._make_mma(self.tok_tile)
         data_bytes = self.cta_rows * self.data_bytes
@@ -185,7 +227,7 @@ class SwapDequantGemmSm90:
         if self.ab_stages_override is not None:
             self.ab_stages = self.ab_stages_override
         else:
-            free = self.smem_capacity - 4096 - self.amax_bytes
+            free = self.smem_capacity - 4096 - self.amax_bytes - self.epi_buffers * self.epi_buf_bytes
             self.ab_stages = min(8, free // (data_bytes + scale_bytes + b_bytes))
         # The lag leaves the leading warpgroup half the ring at least (its loads in flight).
         self.stagger = min(self.stagger_request, self.ab_stages // 2) if self.num_wg == 2 else 0
@@ -198,6 +240,10 @@ class SwapDequantGemmSm90:
         )
         self.data_stage_bytes = data_bytes
         self.scale_stage_bytes = scale_bytes
+        # tma_store: the warps' staging buffers, (8 tokens, the warp's features) each in the swizzle of its rows
+        self.epi_smem_layout = sm90_utils.make_smem_layout_epi(
+            cutlass.BFloat16, utils.LayoutEnum.ROW_MAJOR, (8, self.epi_feats), max(1, self.epi_buffers)
+        )
 
     def _make_mma(self, width: int) -> cute.TiledMma:
         """The warpgroup's WGMMA: 64 weight rows (A from registers) x ``width`` tokens (B in shared memory)."""
@@ -252,6 +298,13 @@ class SwapDequantGemmSm90:
         )
         tma_b, tma_tensor_b = cpasync.make_tiled_tma_atom(g2s, act, b_one, (self.tok_tile, self.tile_k))
         self.tma_bytes = self.data_stage_bytes + self.scale_stage_bytes
+        epi_one = cute.slice_(self.epi_smem_layout, (None, None, 0))
+        if cutlass.const_expr(self.tma_store):
+            tma_c, tma_tensor_c = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), c, epi_one, (8, self.epi_feats)
+            )
+        else:
+            tma_c, tma_tensor_c = tma_w, tma_tensor_w  # unused placeholders
         if cutlass.const_expr(not self.gather_b):
             self.tma_bytes += cute.size_in_bytes(cutlass.BFloat16, b_one)
             x_rows, row_token = act, meta  # unused placeholders
@@ -268,6 +321,11 @@ class SwapDequantGemmSm90:
             sAmax: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.size(self.amax_shape)], 16]
             # the split-K count, per consumer warpgroup
             sSplit: cute.struct.MemRange[cutlass.Int32, constants.SWAP_SPLIT_COUNTERS]
+            # tma_store: the warps' staging buffers (one unused element otherwise)
+            sEpi: cute.struct.Align[
+                cute.struct.MemRange[cutlass.BFloat16, cute.cosize(self.epi_smem_layout) if self.tma_store else 8],
+                1024 if self.tma_store else 16,
+            ]
 
         self.shared_storage = SharedStorage
         self.kernel(
@@ -277,6 +335,8 @@ class SwapDequantGemmSm90:
             tma_tensor_s,
             tma_b,
             tma_tensor_b,
+            tma_c,
+            tma_tensor_c,
             c,
             m_block_expert,
             meta,
@@ -290,6 +350,7 @@ class SwapDequantGemmSm90:
             self.data_smem_layout,
             self.scale_smem_layout,
             self.b_smem_layout,
+            self.epi_smem_layout,
         ).launch(
             grid=[self.num_sms, 1, 1],
             block=[self.num_threads, 1, 1],
@@ -308,6 +369,8 @@ class SwapDequantGemmSm90:
         mS: cute.Tensor,
         tma_b: cute.CopyAtom,
         mB: cute.Tensor,
+        tma_c: cute.CopyAtom,
+        mCt: cute.Tensor,
         mC: cute.Tensor,
         m_block_expert: cute.Tensor,
         meta: cute.Tensor,
@@ -321,6 +384,7 @@ class SwapDequantGemmSm90:
         data_smem_layout: cute.Layout,
         scale_smem_layout: cute.Layout,
         b_smem_layout: cute.ComposedLayout,
+        epi_smem_layout: cute.ComposedLayout,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -333,6 +397,8 @@ class SwapDequantGemmSm90:
             cpasync.prefetch_descriptor(tma_s)
             if cutlass.const_expr(not self.gather_b):
                 cpasync.prefetch_descriptor(tma_b)
+            if cutlass.const_expr(self.tma_store):
+                cpasync.prefetch_descriptor(tma_c)
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -444,6 +510,17 @@ class SwapDequantGemmSm90:
             data_base = bq.smem_addr(storage.sData.data_ptr())
             scale_base = bq.smem_addr(storage.sScale.data_ptr())
             offsets = self._lane_offsets(wg, warp, lane)
+            # tma_store: the warp's staging buffers and the TMA view of C in (8 tokens, the warp's features) boxes
+            epi = None
+            if cutlass.const_expr(self.tma_store):
+                sEpi = storage.sEpi.get_tensor(epi_smem_layout.outer, swizzle=epi_smem_layout.inner)
+                gCt = cute.local_tile(mCt, (8, self.epi_feats), (None, None))  # (8, F, M_cap / 8, N / F)
+                bSG_sC, bSG_gC = cpasync.tma_partition(
+                    tma_c, 0, cute.make_layout(1), cute.group_modes(sEpi, 0, 2), cute.group_modes(gCt, 0, 2)
+                )
+                warp_u = cute.arch.make_warp_uniform(warp)
+                epi = (tma_c, bSG_sC, bSG_gC, bq.smem_addr(storage.sEpi.data_ptr()), warp_u)
+            epi_count = cutlass.Int32(0)  # tma_store: the warp's staged column groups so far
             consumed = cutlass.Int32(0)  # K tiles taken from the ring so far
             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
             lag = min(self.stagger, k_tiles // self.split_k)  # a K part is k_tiles // split_k tiles at least
@@ -487,12 +564,16 @@ class SwapDequantGemmSm90:
                     if splits > 1:
                         finish = self._split_reduce(acc, split_ws, split_count, storage, unit, tile, splits, wg, ctid)
                     if finish:
-                        self._epilogue(acc, mC, m_blk, n_blk, wg, warp, lane, valid_rows, alpha, out_gs, sAmax)
+                        epi_count = self._epilogue(acc, mC, m_blk, n_blk, wg, warp, lane, valid_rows, alpha, out_gs,
+                                                   sAmax, epi, epi_count)  # fmt: skip
                 else:
-                    self._epilogue(acc, mC, m_blk, n_blk, wg, warp, lane, valid_rows, alpha, out_gs, sAmax)
+                    epi_count = self._epilogue(acc, mC, m_blk, n_blk, wg, warp, lane, valid_rows, alpha, out_gs, sAmax,
+                                               epi, epi_count)  # fmt: skip
                 unit += grid_x
             if consumed > 0:
                 ab_pipe.consumer_release(self._ring_state(consumed - 1))
+            if cutlass.const_expr(self.tma_store):
+                cute.arch.cp_async_bulk_wait_group(0)  # the warp's stores are done before its CTA exits
 
     def _ring_state(self, n):
         return ring_state(self.ab_stages, n)
@@ -769,12 +850,13 @@ class SwapDequantGemmSm90:
         return cutlass.Float32(1.0)
 
     @cute.jit
-    def _epilogue(self, acc, mC, m_blk, n_blk, wg, warp, lane, valid_rows, alpha, out_gs, sAmax) -> None:
+    def _epilogue(self, acc, mC, m_blk, n_blk, wg, warp, lane, valid_rows, alpha, out_gs, sAmax, epi=None, epi_count=0):
         """Accumulator -> activation -> (requantization) -> bf16 stores, for each group of 8 token columns
         that holds a real row (``valid_rows`` of the M block: the same in every thread of the CTA, so
         the amax exchange's named barriers stay collective). Where a requantization block spans warps,
         ``epi_chunk`` groups at a time share one amax exchange (their padding columns are computed,
-        not stored).
+        not stored). ``epi`` (``tma_store``): the warp's staging state (``_stage_columns``), else None; returns
+        ``epi_count``, the warp's staged column groups, advanced by this tile's.
 
         Accumulator mode 0 is ((2, 2, tok/8)): v0 = column pair, v1 = row half h, j = column group;
         mode 1 is the atom. Column (token) ``8j + 2q + v0`` with q = lane % 4; lane row i = lane // 4."""
@@ -788,10 +870,13 @@ class SwapDequantGemmSm90:
             if 8 * n * c < valid_rows:
                 cols = self._chunk_values(acc, c * n, alpha, rq, sAmax, wg, warp, lane)
                 for jj in cutlass.range_constexpr(n):
-                    if cutlass.const_expr(n == 1):
+                    if cutlass.const_expr(self.tma_store):  # plain epilogue: n == 1
+                        epi_count = self._stage_columns(cols[jj], c * n + jj, m_blk, n_blk, wg, lane, epi, epi_count)
+                    elif cutlass.const_expr(n == 1):
                         self._store_columns(cols[jj], c * n + jj, mC, m_blk, n_blk, wg, warp, lane, pair, pair_f32)
                     elif 8 * (c * n + jj) < valid_rows:
                         self._store_columns(cols[jj], c * n + jj, mC, m_blk, n_blk, wg, warp, lane, pair, pair_f32)
+        return epi_count
 
     def _chunk_values(self, acc, j0: int, alpha, rq, sAmax, wg, warp, lane) -> list:
         """cols[jj][v0][g]: the lane's output value of its feature group g in token column
@@ -820,6 +905,39 @@ class SwapDequantGemmSm90:
             pair_f32[0, 1] = cutlass.Float32(cutlass.select_(odd, cols[1][g], got))
             pair.store(pair_f32.load().to(cutlass.BFloat16))
             cute.autovec_copy(pair, cute.local_tile(mC, (1, 2), (row, (feat0 + g * 8) // 2)))
+
+    @cute.jit
+    def _stage_columns(self, cols: list, j: int, m_blk, n_blk, wg, lane, epi: tuple, count):
+        """``tma_store``: column group ``j``'s values (``cols[v0][g]``: the lane's feature ``8 g + lane // 4`` of
+        the warp's, tokens ``8 j + 2 (lane % 4) + v0``) through the warp's next staging buffer to C; returns
+        ``count + 1`` (the warp's staged groups). Every step is warp-uniform: the whole warp waits, writes,
+        fences, stores and commits."""
+        tma_c, bSG_sC, bSG_gC, epi_base, warp = epi
+        buf = (wg * 4 + warp) * EPI_TMA_BUFS + count % EPI_TMA_BUFS
+        if count >= EPI_TMA_BUFS:  # the store that last read this buffer is done reading it
+            cute.arch.cp_async_bulk_wait_group(EPI_TMA_BUFS - 1, read=True)
+        # bf16 pairs (token 2q in the low half): word g is the lane's part of the feature row x token pair matrix g
+        words = [pack_bf16x2(cols[0][g], cols[1][g]) for g in range(self.groups)]
+        # stmatrix .trans: lane 8m + r gives the address of row r (token r) of matrix m (features 8m..8m+7): chunk m
+        # of the S-byte row, swizzled as TMA reads it
+        span = 2 * self.epi_feats  # S
+        r = lane & 7
+        row = epi_base + buf * self.epi_buf_bytes + r * span
+        swz = ((r * span) >> 7) & (span // 16 - 1)
+        if cutlass.const_expr(self.groups == 2):
+            m = (lane >> 3) & 1  # lanes 16-31 repeat lanes 0-15's addresses (x2 reads those of lanes 0-15)
+            stmatrix_x2_trans(row + ((m ^ swz) << 4), words[0], words[1])
+        else:
+            for half in cutlass.range_constexpr(self.groups // 4):
+                m = (lane >> 3) + 4 * half
+                stmatrix_x4_trans(row + ((m ^ swz) << 4), *words[4 * half : 4 * half + 4])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_warp()
+        row_tile = m_blk * (self.tok_tile // 8) + j
+        col_tile = ((n_blk * self.num_wg + wg) * self.wg_out) // self.epi_feats + warp
+        cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, row_tile, col_tile)])
+        cute.arch.cp_async_bulk_commit_group()
+        return count + 1
 
     def _column_values(self, acc, j: int, v0: int, alpha) -> list:
         """The lane's value of each 8-feature group in column (j, v0): scaled by ``alpha``, then the
