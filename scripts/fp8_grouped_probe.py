@@ -31,8 +31,10 @@ Usage::
     python scripts/fp8_grouped_probe.py run --lib .kcache-fp8probe                           # GPU
 
 ``run`` first checks every kernel against the fp32 torch product of its own operands on a small routing
-with empty experts, a one-row expert and a skewed one (NaN-poisoned C, padding rows not compared), then on
-the first experts of every timed shape; it then times interleaved rounds (CUDA events, median, three
+with empty experts, a one-row expert and a skewed one (NaN-poisoned C, padding rows not compared), the FP8
+kernels on MXFP8-quantized data re-blocked per 128 against the MXFP8 reference product (``check_mxfp8``: the
+design's error as the layer's tests would see it), and every kernel on the first experts of every timed shape;
+it then times interleaved rounds (CUDA events, median, three
 rotating A sets; the weights, far larger than L2, are one set) and prints a table last.
 """
 
@@ -589,6 +591,70 @@ def time_shape(fns, p, n: int, rounds: int, reps: int) -> dict[str, float]:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def check_mxfp8(fns, gen, t: int = 512) -> int:
+    """The design's numerics on MXFP8 data: qwen3-30b-a3b's FC1 shape (E 128, N 1536, K 2048) with ``t`` tokens
+    routed top 8, activations and weights quantized to MXFP8 as the layer's reference does
+    (``core.quant.quantize_mxfp8``), re-blocked per 128 of K (``mxfp8_reblock_study.reblock_shift``: codes of a
+    32-block below its 128-block's largest exponent shifted and rounded again), through each FP8 kernel. Against
+    the MXFP8 reference product (what the layer's reference computes) with the kernel tests' bars (mean < 1 %,
+    max < 5 % over |ref| > 1 % of its largest), and against the re-blocked operands' own fp32 product (the FP8
+    tensor core's accumulation alone)."""
+    import torch
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from mxfp8_reblock_study import reblock_shift
+
+    from flashinfer.moe_ep.core.quant import dequantize_mxfp8, quantize_mxfp8
+
+    e, n, k, top_k = 128, 1536, 2048, 8
+    ids = torch.rand(t, e, device="cuda", generator=gen).topk(top_k, dim=1).indices
+    counts = torch.bincount(ids.flatten(), minlength=e).cpu()
+    mbe, meta, first, m_cap = block_map(counts)
+    x = torch.randn(m_cap, k, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(e, n, k, device="cuda", generator=gen) * 0.02).bfloat16()
+    qx, sx = quantize_mxfp8(x)
+    qw, sw = quantize_mxfp8(w)
+    cx, ex = reblock_shift(qx, sx)
+    cw, ew = reblock_shift(qw, sw)
+    p = dict(counts=counts, mbe=mbe, meta=meta, m_cap=m_cap,
+             b_q=cw.to(torch.float8_e4m3fn).view(torch.uint8),
+             sfb=torch.exp2(ew.float() - 127).transpose(1, 2).contiguous())  # fmt: skip
+    s = dict(a_q=cx.to(torch.float8_e4m3fn).view(torch.uint8), sfa=torch.exp2(ex.float() - 127).t().contiguous())
+    failures = 0
+    for name, (v, fn) in fns.items():
+        if not v["mode"].startswith("fp8"):
+            continue
+        c = torch.full((m_cap, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        call(v, fn, p, s, c)
+        torch.cuda.synchronize()
+        errs = {}
+        for label, a_op, b_op in (("MXFP8 reference", (qx, sx), (qw, sw)), ("re-blocked operands", (cx, ex), (cw, ew))):
+            num = den = worst = 0.0
+            for ei in (0, 1, e // 2, e - 1):
+                f, cnt = first[ei], int(counts[ei])
+                if cnt == 0:
+                    continue
+                if label == "MXFP8 reference":
+                    a = dequantize_mxfp8(a_op[0][f : f + cnt], a_op[1][f : f + cnt])
+                    b = dequantize_mxfp8(b_op[0][ei], b_op[1][ei])
+                else:
+                    a = a_op[0][f : f + cnt] * torch.exp2(a_op[1][f : f + cnt].float() - 127).repeat_interleave(128, 1)
+                    b = b_op[0][ei] * torch.exp2(b_op[1][ei].float() - 127).repeat_interleave(128, 1)
+                ref = a.float() @ b.float().t()
+                got = c[f : f + cnt].float()
+                num += (got - ref).abs().sum().item()
+                den += ref.abs().sum().item()
+                big = ref.abs() > 1e-2 * ref.abs().max()
+                worst = max(worst, ((got - ref).abs()[big] / ref.abs()[big]).max().item())
+            errs[label] = (num / max(den, 1e-30), worst)
+        mean, worst = errs["MXFP8 reference"]
+        ok = mean < 1e-2 and worst < 5e-2  # a NaN mean fails
+        failures += not ok
+        detail = "; ".join(f"vs {k_}: mean rel {m:.2e} max rel {w_:.2e}" for k_, (m, w_) in errs.items())
+        print(f"mxfp8 {name:14s} T={t} {n}x{k}: {detail} {'ok' if ok else 'FAIL'}", flush=True)
+    return failures
+
+
 def run(lib_dir: Path, contracts: list[str], tokens: list[int], rounds: int, reps: int) -> int:
     import torch
     import tvm_ffi
@@ -611,6 +677,7 @@ def run(lib_dir: Path, contracts: list[str], tokens: list[int], rounds: int, rep
     p = make_problem(counts, 256, 384, gen)
     failures += check(fns, p, 256, list(range(8)), "odd routing 256x384")
     del p
+    failures += check_mxfp8(fns, gen)
 
     rows = []
     for contract in contracts:
