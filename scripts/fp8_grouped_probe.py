@@ -78,6 +78,9 @@ def make_kernel_classes():
     from cutlass.cute.nvgpu import cpasync, warpgroup
 
     from flashinfer.moe_ep.kernel_src.cutedsl_megamoe.src.moe_bf16_glu.grouped_gemm import GroupedGemmSm90
+    from flashinfer.moe_ep.kernel_src.cutedsl_megamoe.src.moe_bf16_glu.kernel import Sm90MegaMoEBf16Kernel
+
+    expert_major = Sm90MegaMoEBf16Kernel._expert_major_view  # torch [E, N, K] -> cute (N, K, E)
 
     Float32 = cutlass.Float32
 
@@ -87,10 +90,6 @@ def make_kernel_classes():
             write_only_types=[Float32, Float32],
             read_only_args=[addr],
         )
-
-    def expert_major(w: cute.Tensor) -> cute.Tensor:
-        """torch [E, N, K] -> cute (N, K, E)."""
-        return cute.make_tensor(w.iterator, cute.select(w.layout, mode=[1, 2, 0]))
 
     class Bf16Grouped:
         """The drop's BF16 grouped GEMM, plain epilogue; ``cluster_m=2`` as the layer's prefill bucket runs it

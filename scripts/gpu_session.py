@@ -54,7 +54,7 @@ def build_quant(cache: Path, shard: tuple[int, int] = (0, 1), bench_only: bool =
     variants += [(f"{name}-twin", CONFIG_CLS[fmt](**{**geometry, "knobs": GEMV_KNOBS}))
                  for name, fmt, geometry in tests if "-pairs" in name]  # fmt: skip
     # test_tma_store_gives_the_register_stores_bits: each -tma variant's twin with FC2's register stores
-    variants += [(f"{name}-twin", CONFIG_CLS[fmt](**register_store_twin(geometry)))
+    variants += [(f"{name}-twin", CONFIG_CLS[fmt](**{**geometry, "knobs": register_store_twin(geometry["knobs"])}))
                  for name, fmt, geometry in tests if name.endswith("-tma")]  # fmt: skip
     for fmt, cls in CONFIG_CLS.items():
         for name in BENCH_CONTRACTS:

@@ -41,8 +41,8 @@ class QuantKnobs:
     convert, multiply and run their epilogues at the same moments. ``swap_narrow`` (``swap_ab``; drop v49; off by
     default, on in the backend's ``swap32`` / ``swap64`` buckets): a token tile whose real tokens fit 64, 32 or 16
     columns runs that narrower WGMMA (each expert's last tile holds its remainder). ``swap_tma_store`` (``swap_ab``,
-    world size 1; drop v50; off by default, not measured yet): FC2's swap-AB epilogue stages each 8-token group of
-    a warp's 64 features in shared memory and writes it with one TMA store (4-atom tiles; others keep the register
+    world size 1; drops v50-v51; off by default, not measured yet): FC2's swap-AB epilogue stages each 8-token
+    group of a warp's 16-64 features in shared memory and writes it with one TMA store (FC1 keeps the register
     stores). ``gather_in_fc1`` (``swap_ab``,
     world size 1): each token's activation row is prepared once and the swap-AB FC1 loads its token
     columns from there through the row map, instead of a prepared copy per pair. ``swap_split_k``

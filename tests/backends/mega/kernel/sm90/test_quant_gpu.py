@@ -506,9 +506,9 @@ def test_pair_chain_gives_the_gemvs_bits(variant: str) -> None:
 TMA_VARIANTS = [v[0] for v in GPU_VARIANTS if v[0].endswith("-tma")]
 
 
-def register_store_twin(geometry: dict) -> dict:
-    """A ``-tma`` variant's geometry with FC2's register stores (``swap_tma_store`` off): its bitwise twin."""
-    return {**geometry, "knobs": {**geometry["knobs"], "swap_tma_store": False}}
+def register_store_twin(knobs: dict) -> dict:
+    """A ``-tma`` variant's knobs with FC2's register stores (``swap_tma_store`` off): its bitwise twin's."""
+    return {**knobs, "swap_tma_store": False}
 
 
 @pytest.mark.parametrize("variant", TMA_VARIANTS)
@@ -517,7 +517,7 @@ def test_tma_store_gives_the_register_stores_bits(variant: str) -> None:
     TMA store per column group, instead of 32-bit stores from registers); the values are rounded alike, so the
     layer's outputs are bitwise equal to the register stores' at every T and routing."""
     layer, cfg, q, _ = _layer(variant)
-    twin = _layer_of(dataclasses.replace(cfg, knobs={**cfg.knobs, "swap_tma_store": False}), q)
+    twin = _layer_of(dataclasses.replace(cfg, knobs=register_store_twin(cfg.knobs)), q)
     assert not any(fe.knobs.swap_tma_store for fe in twin._backend.frontends.values())
     for routing in ROUTINGS:
         for i, t in enumerate(TOKENS):

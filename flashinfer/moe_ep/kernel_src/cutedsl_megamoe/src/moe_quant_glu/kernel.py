@@ -59,11 +59,11 @@ class Sm90MegaMoEQuantKernel:
         last token tile holds its remainder: at 128-token tiles about a fifth of the MMA slots of a uniform
         prefill are padding otherwise). The conversion of the weights is the same at every width. Output-neutral
         (the same products per output, summed alike). Off by default: not measured yet (TUNING.md, session 35).
-    :param swap_tma_store: (``swap_ab`` only) FC2's swap-AB epilogue stages each group of 8 tokens x a warp's 64
-        features in shared memory (transposing ``stmatrix``) and writes it with one TMA store, instead of a
-        shuffle and a 32-bit store per feature pair (``SwapDequantGemmSm90(tma_store=True)``; where a warp holds
-        fewer features, as with fewer than 4 atoms, FC2 keeps the register stores). Output-neutral. Off by
-        default: not measured yet (TUNING.md, session 37).
+    :param swap_tma_store: (``swap_ab`` only) FC2's swap-AB epilogue stages each group of 8 tokens x a warp's
+        16, 32 or 64 features in shared memory (transposing ``stmatrix``) and writes it with one TMA store, instead
+        of a shuffle and a 32-bit store per feature pair (``SwapDequantGemmSm90(tma_store=True)``; FC1, whose
+        epilogue is gated, keeps the register stores). Output-neutral. Off by default: not measured yet
+        (TUNING.md, session 37).
     :param num_sms, fc1_stages, fc2_stages, use_pdl, aux_vpt: as the BF16 kernel.
     :param swap_split_k: (``swap_ab`` only) K parts per CTA tile of the swap-AB GEMMs at most (1, 2,
         4): where that many parts of every tile fit one wave of the grid (few tokens), each part runs
