@@ -693,6 +693,8 @@ def run(lib_dir: Path, contracts: list[str], tokens: list[int], rounds: int, rep
                 base = min((ms for name, ms in med.items() if name.startswith("bf16")), default=float("nan"))
                 for name, ms in med.items():
                     rows.append((contract, t, stage, name, ms, flop / ms / 1e9, base / ms))
+                # as it goes, so that a run cut short still says what it measured
+                print(f"{label}: " + ", ".join(f"{name} {ms:.3f}" for name, ms in med.items()), flush=True)
                 del p
                 torch.cuda.empty_cache()
 
