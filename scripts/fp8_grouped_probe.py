@@ -56,6 +56,8 @@ NUM_SMS = 132
 VARIANTS = {
     "fp8b128_n128": ("fp8b128", 128),
     "fp8b128c2_n128": ("fp8b128c2", 128),
+    "fp8b128o_n128": ("fp8b128o", 128),
+    "fp8b128oc2_n128": ("fp8b128oc2", 128),
     "bf16_n256": ("bf16", 256),
     "bf16_n128": ("bf16", 128),
     "bf16c2_n256": ("bf16c2", 256),
@@ -106,10 +108,15 @@ def make_kernel_classes():
         """C[rows of M block b] = (A * sa) @ (B[expert(b)] * sb)^T, A and B E4M3 codes with one fp32 multiplier
         per row and 128 of K; the parent's scheduling, producer roles and TMA-store epilogue."""
 
-        def __init__(self, tile_n: int, cluster_m: int = 1) -> None:
+        TURN_BARRIER = 2  # and 3 (1: the parent's epilogue barrier)
+
+        def __init__(self, tile_n: int, cluster_m: int = 1, ordered: bool = False) -> None:
             if tile_n not in (64, 128):
                 raise ValueError("accumulator and scratch take 2 x tile_n / 2 registers a thread: tile_n <= 128")
             super().__init__(TILE_M, tile_n, "plain", None, NUM_SMS, cluster_m=cluster_m)
+            # ordered: the two consumer warpgroups take turns issuing each K tile's WGMMAs (named barriers), so one
+            # warpgroup promotes while the tensor cores run the other's batch, instead of both promoting at once
+            self.ordered = ordered
             self.tile_k = TILE_K_FP8
             self.slices = TILE_K_FP8 // 32  # FP8 WGMMAs per K tile
 
@@ -356,6 +363,15 @@ def make_kernel_classes():
 
                 read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
                 epi_count = cutlass.Int32(0)
+                # ordered: warpgroup w waits on barrier TURN + w before it issues a K tile and then hands the turn
+                # to the other on TURN + 1 - w; warpgroup 1 opens with a hand-over (warpgroup 0 issues first) and
+                # warpgroup 0 closes with a wait for the last one, so every barrier's arrivals are matched
+                turn_wait = self.TURN_BARRIER + wg
+                turn_give = self.TURN_BARRIER + 1 - wg
+                turn_threads = 2 * self.threads_per_wg
+                if cutlass.const_expr(self.ordered):
+                    if wg == 1:
+                        cute.arch.barrier_arrive(barrier_id=turn_give, number_of_threads=turn_threads)
                 tile = first_tile
                 while tile < num_tiles:
                     grp = tile // n_tiles
@@ -370,12 +386,16 @@ def make_kernel_classes():
                             fa = [sSA[(row0, 0, read.index)], sSA[(row0 + 8, 0, read.index)]]
                             stage = sfb_base + read.index * (self.tile_n * 4)
                             fb = [ld_shared_v2_f32(stage + j * 32) for j in range(self.tile_n // 8)]
+                            if cutlass.const_expr(self.ordered):
+                                cute.arch.barrier(barrier_id=turn_wait, number_of_threads=turn_threads)
                             warpgroup.fence()
                             for s in cutlass.range_constexpr(self.slices):
                                 tiled_mma.set(warpgroup.Field.ACCUMULATE, s > 0)
                                 cute.gemm(tiled_mma, scratch, tCrA[(None, None, s, read.index)],
                                           tCrB[(None, None, s, read.index)], scratch)  # fmt: skip
                             warpgroup.commit_group()
+                            if cutlass.const_expr(self.ordered):
+                                cute.arch.barrier_arrive(barrier_id=turn_give, number_of_threads=turn_threads)
                             warpgroup.wait_group(0)
                             ab_pipe.consumer_release(read)
                             read.advance()
@@ -388,6 +408,9 @@ def make_kernel_classes():
                         # 64 rows of expert padding: take and free every stage, no MMA
                         for _k in cutlass.range(k_tiles, unroll=1):
                             ab_pipe.consumer_wait(read)
+                            if cutlass.const_expr(self.ordered):  # keep the turns
+                                cute.arch.barrier(barrier_id=turn_wait, number_of_threads=turn_threads)
+                                cute.arch.barrier_arrive(barrier_id=turn_give, number_of_threads=turn_threads)
                             ab_pipe.consumer_release(read)
                             read.advance()
                     epi_count = self._tma_epilogue(
@@ -395,6 +418,9 @@ def make_kernel_classes():
                         store_pipe, epi_count,
                     )  # fmt: skip
                     tile += tile_stride
+                if cutlass.const_expr(self.ordered):
+                    if wg == 0:
+                        cute.arch.barrier(barrier_id=turn_wait, number_of_threads=turn_threads)
                 store_pipe.producer_tail()
 
     return Fp8Block128GroupedGemm, Bf16Grouped
@@ -434,8 +460,11 @@ def build(out: Path, only: list[str] | None) -> None:
             make_fake_stream(use_tvm_ffi_env_stream=True),
         ]
         cluster_m = 2 if mode.endswith("c2") else 1
-        kernel = fp8_cls(tile_n, cluster_m) if mode.startswith("fp8") else bf16_cls(tile_n, cluster_m)
-        compiled = cute.compile(kernel, *args, options="--enable-tvm-ffi")
+        if mode.startswith("fp8"):
+            kernel = fp8_cls(tile_n, cluster_m, ordered=mode.startswith("fp8b128o"))
+        else:
+            kernel = bf16_cls(tile_n, cluster_m)
+        compiled = cute.compile(kernel, *args, options=os.environ.get("PROBE_COMPILE_OPTIONS", "--enable-tvm-ffi"))
         lib = link_library(compiled, out, f"probe_{name}")
         manifest[name] = dict(mode=mode, tile_n=tile_n, lib=lib.name)
         print(f"built {name:14s} {time.time() - t0:5.1f}s {lib.stat().st_size // 1024} KiB", flush=True)
