@@ -13,7 +13,13 @@ uniform top-k routing (T = 4096 and 16384 by default):
   FP8 WGMMAs chained in a scratch accumulator, one wait, then ``acc += scratch * sa[row] * sb[col]``
   (``sa``: the A row's per-128 multiplier, ``sb``: the weight row's); the stage's scales ride the TMA ring;
   bf16 out through the parent's stmatrix + TMA-store epilogue; ``fp8b128c2_n128`` with the parent's
-  ``cluster_m=2`` weight-tile multicast (the scales each CTA loads whole).
+  ``cluster_m=2`` weight-tile multicast (the scales each CTA loads whole). ``fp8b128o_n128`` /
+  ``fp8b128oc2_n128`` (session 38): the two consumer warpgroups take turns issuing each K tile's WGMMAs (two
+  named barriers), so one promotes while the tensor cores run the other's batch; without the turns both wait on
+  the same stage, issue together and promote together, the tensor cores idle meanwhile. (Two scratch
+  accumulators in one warpgroup, K tile k + 1 in flight while k is promoted, is what ptxas will not do: it
+  serializes every WGMMA, C7514, "non wgmma instructions reading accumulator registers of a wgmma between start
+  and end of the pipeline stage".)
 - ``bf16_n256`` / ``bf16_n128``: the drop's BF16 ``GroupedGemmSm90`` (plain epilogue, no cluster, the
   default ``mma_overlap``) on the same routing, with the dequantized operands in BF16; ``bf16c2_n256`` with
   ``cluster_m=2``, as the BF16 layer's prefill bucket runs its GEMMs (adjacent M blocks paired, no pair table).
