@@ -41,9 +41,10 @@ class QuantKnobs:
     convert, multiply and run their epilogues at the same moments. ``swap_narrow`` (``swap_ab``; drop v49; off by
     default, on in the backend's ``swap32`` / ``swap64`` buckets): a token tile whose real tokens fit 64, 32 or 16
     columns runs that narrower WGMMA (each expert's last tile holds its remainder). ``swap_tma_store`` (``swap_ab``,
-    world size 1; drops v50-v51; off by default, not measured yet): FC2's swap-AB epilogue stages each 8-token
-    group of a warp's 16-64 features in shared memory and writes it with one TMA store (FC1 keeps the register
-    stores). ``gather_in_fc1`` (``swap_ab``,
+    world size 1; drops v50-v51; off by default, on in the backend's NVFP4 ``swap128``): FC2's swap-AB epilogue
+    stages each 8-token group of a warp's 32 or 64 features in shared memory and writes it with one TMA store (FC1
+    keeps the register stores); refused with ``swap_wg`` 4 or ``swap_atoms`` 1 (four 1-atom warpgroups stored
+    wrong results on the H200, TUNING.md "Session 38"). ``gather_in_fc1`` (``swap_ab``,
     world size 1): each token's activation row is prepared once and the swap-AB FC1 loads its token
     columns from there through the row map, instead of a prepared copy per pair. ``swap_split_k``
     (``swap_ab``, world size 1; 1, 2 or 4): where that many K parts of every CTA tile of a swap-AB GEMM
@@ -194,6 +195,15 @@ class QuantFrontend(KernelFrontend):
             raise ValueError("swap_narrow needs the swap-AB GEMMs (swap_ab=True, gemv=False)")
         if k.swap_tma_store and not (k.swap_ab and not k.gemv):
             raise ValueError("swap_tma_store needs the swap-AB GEMMs (swap_ab=True, gemv=False)")
+        if k.swap_tma_store and (k.swap_wg == 4 or k.swap_atoms == 1):
+            # TUNING.md "Session 38": four 1-atom warpgroups (16 features a warp: one stmatrix.x2, 32-byte rows)
+            # gave wrong FC2 results that varied run to run on the H200; cause not found. Two warpgroups of 2 or 4
+            # atoms passed the reference suite and matched the register stores bit for bit.
+            raise ValueError(
+                "swap_tma_store is refused with four consumer warpgroups or one WGMMA atom (swap_wg=4 or "
+                "swap_atoms=1): four 1-atom warpgroups stored wrong FC2 results on the H200; use swap_wg <= 2 with "
+                "swap_atoms 2 or 4, or the register stores (swap_tma_store=False)"
+            )
         splits = kh.constants.SWAP_SPLIT_FACTORS
         if k.swap_split_k not in splits:
             raise ValueError(f"swap_split_k must be one of {splits}, got {k.swap_split_k}")

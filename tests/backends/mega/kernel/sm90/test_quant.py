@@ -174,6 +174,13 @@ def test_config_validation() -> None:
         with pytest.raises(MoEEpConfigError, match="swap_tma_store needs the swap-AB GEMMs"):
             bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 8, "swap_ab": True, "gemv": True,
                                                                 "swap_tma_store": True}), 8)  # fmt: skip
+        # four 1-atom warpgroups stored wrong FC2 results through the staging buffers on the H200 (session 38):
+        # refused, with four warpgroups of 2 atoms (never validated) alike (one atom needs four warpgroups)
+        for wg, atoms in ((4, 1), (4, 2)):
+            with pytest.raises(MoEEpConfigError, match="swap_tma_store is refused with four consumer warpgroups"):
+                bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 128, "swap_ab": True, "swap_wg": wg,
+                                                                    "swap_atoms": atoms, "swap_tma_store": True}),
+                                 8)  # fmt: skip
         with pytest.raises(MoEEpConfigError, match="fc2_early_weights needs the swap-AB GEMMs"):
             bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 128, "fc2_early_weights": True}), 8)
         # FC1's early weight loads need the gather kernel before FC1 (its trigger orders the routing)
@@ -221,6 +228,8 @@ def test_buckets_share_the_weight_layout(fmt: str) -> None:
     assert four == (set() if fmt == "mxfp8" else {"swap16"})
     assert fes["swap16"].knobs.swap_atoms == (4 if fmt == "mxfp8" else 2)
     assert {b.name for b in BUCKETS if fes[b.name].knobs.swap_split_k > 1} == {"split16"}
+    staged = {b.name for b in BUCKETS if fes[b.name].knobs.swap_tma_store}  # FC2 through TMA stores (session 38)
+    assert staged == (set() if fmt == "mxfp8" else {"swap128"})
     assert fes["split16"].knobs == dataclasses.replace(fes["sparse16"].knobs, swap_split_k=2)
     explicit = bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 128}), 8)
     assert len({id(fe) for fe in explicit.values()}) == 1

@@ -185,18 +185,14 @@ GPU_VARIANTS = [
 ] + [
     # FC2's epilogue through shared memory and TMA stores (swap_tma_store, drop v50): a warp's 64 features (4 atoms,
     # 16-token tiles: two stmatrix.x4 per column group, 128-byte rows), 32 (2 atoms, 128-token tiles with gathered
-    # rows and narrow WGMMAs: one x4, 64-byte rows), 16 (four 1-atom warpgroups: one x2, 32-byte rows), and split K
-    # (the last part stores)
+    # rows and narrow WGMMAs: one x4, 64-byte rows), and split K (the last part stores). Four 1-atom warpgroups (16
+    # features a warp: one x2, 32-byte rows) failed here on the H200 (session 38) and are refused since
+    # (test_quant.py, test_knob_validation)
     (f"{fmt}-small512-swiglu-swap{tok}-tma", fmt,
      {**SMALL, "hidden_size": 512, "intermediate_size": 256, "activation": "swiglu", "activation_limit": None,
       "knobs": {"tile_m": tok, "swap_ab": True, "swap_tma_store": True, "gather_in_fc1": tok == 128,
                 "swap_narrow": tok == 128}})
     for fmt in FORMATS for tok in (16, 128)
-] + [
-    (f"{fmt}-small-swiglu-wg4a1-tma", fmt, {**SMALL, "activation": "swiglu", "activation_limit": None,
-                                            "knobs": {"tile_m": 128, "swap_ab": True, "swap_wg": 4, "swap_atoms": 1,
-                                                      "gather_in_fc1": True, "swap_tma_store": True}})
-    for fmt in FORMATS
 ] + [
     (f"{fmt}-split2-tma", fmt, {**SPLIT, "hidden_size": 2048, "intermediate_size": 2048, "activation": "swiglu",
                                 "activation_limit": None,

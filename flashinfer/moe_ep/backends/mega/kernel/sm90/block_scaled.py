@@ -322,6 +322,11 @@ class TokenBucket:
 #:   0.954x). Not ``swap128`` (H100, T = 1024-16384: 0.99-1.04x, slower at every T >= 4096): its tiles are
 #:   mostly full, and the per-tile branch costs more than the columns it saves. Measured at world size 1;
 #:   the EP kernels take the same bucket knobs (their GEMMs are the same code), not measured there.
+#: - NVFP4's ``swap128`` writes FC2 through shared memory and TMA stores (``swap_tma_store``, drop v50; session 38,
+#:   interleaved A/B, outputs bitwise equal to the register stores): H200 qwen3-30b-a3b / qwen3-235b-a22b
+#:   T = 4096 and 16384 0.961-0.967x of the register stores' time (one sample); H100, two samples, 0.96-0.995x but
+#:   qwen3-235b-a22b T = 4096 1.009 / 1.042x, deepseek-v3 0.996 / 0.974x. Not MXFP8 (H200 0.984-1.022x, H100
+#:   0.977-1.017x).
 #: - ``decode`` / ``prefill``: 64 / 128-row M tiles (shared-memory dequantization), for the shapes the
 #:   swap-AB GEMMs cannot tile (sizes not multiples of 128, or gate/up not interleaved per 256).
 #: - Early weight loads (drop v34, session 23, interleaved A/B in CUDA graphs, outputs bitwise equal):
@@ -400,7 +405,12 @@ BUCKETS = (
         "decode",
         format_knobs={"mxfp8": {"gather_in_fc1": False}},
     ),
-    TokenBucket("swap128", {"tile_m": 128, **_GATHER}, fallback="prefill"),
+    TokenBucket(
+        "swap128",
+        {"tile_m": 128, **_GATHER},
+        fallback="prefill",
+        format_knobs={"nvfp4": {"swap_tma_store": True}},
+    ),
 )
 #: bucket knobs of the world-size-1 kernel only (the EP kernels' dispatch moves prepared rows already)
 WORLD1_KNOBS = (
