@@ -175,12 +175,13 @@ def test_config_validation() -> None:
             bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 8, "swap_ab": True, "gemv": True,
                                                                 "swap_tma_store": True}), 8)  # fmt: skip
         # four 1-atom warpgroups stored wrong FC2 results through the staging buffers on the H200 (session 38):
-        # refused, with four warpgroups of 2 atoms (never validated) alike (one atom needs four warpgroups)
-        for wg, atoms in ((4, 1), (4, 2)):
+        # refused, with four warpgroups of 2 atoms and one atom in two warpgroups (relu2: FC1 plain; never
+        # validated) alike
+        for wg, atoms, act in ((4, 1, "swiglu"), (4, 2, "swiglu"), (2, 1, "relu2")):
             with pytest.raises(MoEEpConfigError, match="swap_tma_store is refused with four consumer warpgroups"):
-                bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 128, "swap_ab": True, "swap_wg": wg,
-                                                                    "swap_atoms": atoms, "swap_tma_store": True}),
-                                 8)  # fmt: skip
+                bucket_frontends(CONFIG[fmt](256, 128, 8, 2, activation=act, activation_limit=None,
+                                             knobs={"tile_m": 128, "swap_ab": True, "swap_wg": wg,
+                                                    "swap_atoms": atoms, "swap_tma_store": True}), 8)  # fmt: skip
         with pytest.raises(MoEEpConfigError, match="fc2_early_weights needs the swap-AB GEMMs"):
             bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 128, "fc2_early_weights": True}), 8)
         # FC1's early weight loads need the gather kernel before FC1 (its trigger orders the routing)

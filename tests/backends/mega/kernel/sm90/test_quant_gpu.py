@@ -187,7 +187,7 @@ GPU_VARIANTS = [
     # 16-token tiles: two stmatrix.x4 per column group, 128-byte rows), 32 (2 atoms, 128-token tiles with gathered
     # rows and narrow WGMMAs: one x4, 64-byte rows), and split K (the last part stores). Four 1-atom warpgroups (16
     # features a warp: one x2, 32-byte rows) failed here on the H200 (session 38) and are refused since
-    # (test_quant.py, test_knob_validation)
+    # (test_quant.py, test_config_validation)
     (f"{fmt}-small512-swiglu-swap{tok}-tma", fmt,
      {**SMALL, "hidden_size": 512, "intermediate_size": 256, "activation": "swiglu", "activation_limit": None,
       "knobs": {"tile_m": tok, "swap_ab": True, "swap_tma_store": True, "gather_in_fc1": tok == 128,
