@@ -46,6 +46,7 @@ def build_quant(cache: Path, shard: tuple[int, int] = (0, 1), bench_only: bool =
         GEMV_KNOBS,
         GPU_VARIANTS,
         register_store_twin,
+        without_l2_prefetch,
     )
 
     tests = [] if bench_only else GPU_VARIANTS
@@ -56,6 +57,9 @@ def build_quant(cache: Path, shard: tuple[int, int] = (0, 1), bench_only: bool =
     # test_tma_store_gives_the_register_stores_bits: each -tma variant's twin with FC2's register stores
     variants += [(f"{name}-twin", CONFIG_CLS[fmt](**{**geometry, "knobs": register_store_twin(geometry["knobs"])}))
                  for name, fmt, geometry in tests if name.endswith("-tma")]  # fmt: skip
+    # test_l2_prefetch_gives_the_same_bits: each -l2pf variant's twin without the GEMVs' L2 prefetches
+    variants += [(f"{name}-twin", CONFIG_CLS[fmt](**{**geometry, "knobs": without_l2_prefetch(geometry["knobs"])}))
+                 for name, fmt, geometry in tests if name.endswith("-l2pf")]  # fmt: skip
     for fmt, cls in CONFIG_CLS.items():
         for name in BENCH_CONTRACTS:
             c = get_contract(name)

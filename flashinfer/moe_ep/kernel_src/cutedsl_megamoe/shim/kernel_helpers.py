@@ -136,6 +136,8 @@ SRC_SYMBOLS: dict[str, SrcSymbol] = {
             "gemv_stages",
             "pair_blocks",
             "pair_combine",
+            "swap_tma_store",
+            "gemv_l2_prefetch",
         ),
         call_params=QUANT_KERNEL_CALL,
     ),

@@ -57,9 +57,13 @@ class QuantKnobs:
     the activation gather. ``gather_early_rows`` (world size 1): the activation gather loads and quantizes
     its first items before it waits for the routing. ``gemv`` (``swap_ab`` with 8 or 16-token tiles, world
     size 1): FC1 and FC2 as the drop's expert GEMV (``moe_quant_glu.gemv``: every warp streams its
-    weight rows into shared memory with ``cp.async`` and multiplies them with ``mma.sync``; for T <= 4),
+    weight rows into shared memory with ``cp.async`` and multiplies them with ``mma.sync``; for decode),
     ``gemv_k_warps`` warps per CTA splitting K (2, 4, 8, 16), ``gemv_stages`` the depth of each warp's
     ring (2+; warps times stages are bounded by shared memory); the early-weight knobs apply to it alike.
+    ``gemv_l2_prefetch`` (with ``gemv``; drop v52; off by default, on in the backend's ``gemv8``): every GEMV
+    warp requests its later K units' weight rows and scales into L2 with bulk prefetches once it knows its
+    expert (FC2 with ``fc2_early_weights`` before it waits for FC1), so the slice streams from DRAM at once;
+    the results do not change.
     ``pair_blocks`` (with ``gemv``, world size 1; drop v45): the GEMVs' pair chain for one token: M block b
     is pair b of ``topk_ids``, FC1 prepares its token's row itself (no routing, no gather kernel), so
     FC1 is the layer's first kernel (``fc1_early_weights`` and ``gather_early_rows`` off); it serves
@@ -86,6 +90,7 @@ class QuantKnobs:
     gemv: bool = False
     gemv_k_warps: int = 4
     gemv_stages: int = 2
+    gemv_l2_prefetch: bool = False
     pair_blocks: bool = False
     pair_combine: bool = False
 
@@ -245,6 +250,8 @@ class QuantFrontend(KernelFrontend):
 
     def _check_pairs(self) -> None:
         k = self.knobs
+        if k.gemv_l2_prefetch and not k.gemv:
+            raise ValueError("gemv_l2_prefetch needs gemv=True (the GEMV's bulk L2 prefetches)")
         if k.pair_blocks and not k.gemv:
             raise ValueError("pair_blocks needs gemv=True (the GEMV's pair chain)")
         if k.pair_blocks and (k.fc1_early_weights or k.gather_early_rows):
@@ -287,6 +294,7 @@ class QuantFrontend(KernelFrontend):
             pair_blocks=k.pair_blocks,
             pair_combine=k.pair_combine,
             swap_tma_store=k.swap_tma_store,
+            gemv_l2_prefetch=k.gemv_l2_prefetch,
         )
         return kh.export_moe_quant(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)
 

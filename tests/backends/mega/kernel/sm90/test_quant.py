@@ -182,6 +182,9 @@ def test_config_validation() -> None:
                 bucket_frontends(CONFIG[fmt](256, 128, 8, 2, activation=act, activation_limit=None,
                                              knobs={"tile_m": 128, "swap_ab": True, "swap_wg": wg,
                                                     "swap_atoms": atoms, "swap_tma_store": True}), 8)  # fmt: skip
+        with pytest.raises(MoEEpConfigError, match="gemv_l2_prefetch needs gemv=True"):
+            bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 16, "swap_ab": True,
+                                                                "gemv_l2_prefetch": True}), 8)  # fmt: skip
         with pytest.raises(MoEEpConfigError, match="fc2_early_weights needs the swap-AB GEMMs"):
             bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 128, "fc2_early_weights": True}), 8)
         # FC1's early weight loads need the gather kernel before FC1 (its trigger orders the routing)
@@ -306,20 +309,21 @@ def test_nvfp4_sparse16_serves_while_its_fc1_fits_one_wave(fmt: str) -> None:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_gemv8_serves_its_formats_pairs_and_hidden_sizes(fmt: str) -> None:
-    """The expert GEMV bucket (sessions 24, 32 and 33 A/B): up to 1/8 pair per expert (T = 1-2 on the qwen3
-    contracts), where H <= 2048 (qwen3-30b-a3b; qwen3-235b-a22b's 4096 and deepseek-v3's 7168 keep the
-    swap-AB buckets), in both formats, with the pair chain, and never for callers that give no H, nor in an
-    EP layer (its knobs are world-size-1 knobs)."""
-    last = 2
+    """The expert GEMV bucket (sessions 24, 32, 33 and 39 A/B): up to one pair per expert (the pair chain's
+    limit: T = 1-16 on the qwen3 contracts), where H <= 2048 (qwen3-30b-a3b; qwen3-235b-a22b's 4096 and
+    deepseek-v3's 7168 keep the swap-AB buckets), in both formats, with the pair chain and the L2 prefetches,
+    and never for callers that give no H, nor in an EP layer (its knobs are world-size-1 knobs)."""
     for name in ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3"):
         c = CONTRACTS[name]
+        last = c.num_experts // c.top_k  # one pair per expert
         cfg = CONFIG[fmt](c.hidden_size, c.intermediate_size, c.num_experts, c.top_k)
         fes = bucket_frontends(cfg, c.num_experts)
-        picks = [token_bucket(t, c.top_k, c.num_experts, fmt, fes, c.hidden_size) for t in range(1, 10)]
+        picks = [token_bucket(t, c.top_k, c.num_experts, fmt, fes, c.hidden_size) for t in range(1, last + 9)]
         if c.hidden_size <= 2048:
             assert picks[:last] == ["gemv8"] * last and "gemv8" not in picks[last:], (name, picks)
             assert fes["gemv8"].knobs.gemv and fes["gemv8"].knobs.tile_m == 8 and fes["gemv8"].knobs.gemv_stages == 2
             assert fes["gemv8"].knobs.pair_blocks and fes["gemv8"].knobs.pair_combine
+            assert fes["gemv8"].knobs.gemv_l2_prefetch
             # every T the bucket serves fits one pair chain launch (T * top_k <= num_experts)
             assert fes["gemv8"].pair_blocks_max_tokens >= last
         else:
@@ -632,6 +636,30 @@ def test_swap_tma_store_stages_fc2_through_shared_memory(tmp_path: Path, knobs: 
     assert count(fc2, r"\bSTSM\.16\.MT88\.4\b") == per_group * groups
     assert count(fc2, r"\bSTG\.") == 0 and count(fc2, r"\bSHFL\.BFLY") == 0
     assert count(fc1, r"\bSTG\.") > 0 and count(fc1, r"\bUTMASTG") == 0
+
+
+@pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")
+@pytest.mark.skipif(kernel_resources.find_cuobjdump() is None, reason="needs cuobjdump (pip install .[test])")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gemv_l2_prefetch_requests_the_later_units(tmp_path: Path, fmt: str) -> None:
+    """``gemv_l2_prefetch`` (drop v52) on the GEMV's pair chain: each GEMV issues bulk L2 prefetches (one of the
+    weight rows and one of their scales per item, ``UBLKPF.L2``); FC1, the layer's first kernel, after its
+    ``griddepcontrol.wait`` (``ACQBULK``: it learns its expert from ``topk_ids`` only then), FC2 (early weights)
+    before it. Without the knob neither GEMV has one."""
+    pair = '"tile_m": 8, "swap_ab": true, "gemv": true, "fc2_early_weights": true, "pair_blocks": true'
+    for on in (False, True):
+        knobs = f'{{{pair}, "pair_combine": true, "gemv_l2_prefetch": {json.dumps(on)}}}'
+        sass = kernel_resources.kernel_sass(_swap_gemm_lib(tmp_path / str(on), knobs, fmt))
+        gemvs = [sass[name] for name in sass if "GemvDequant" in name]
+        assert len(gemvs) == 2, list(sass)
+        for i, code in enumerate(gemvs):
+            at = [j for j, line in enumerate(code) if re.search(r"\bUBLKPF\.L2\b", line)]
+            wait = next(j for j, line in enumerate(code) if re.search(r"\bACQBULK\b", line))
+            if not on:
+                assert at == [], (fmt, i)
+                continue
+            assert len(at) == 2, (fmt, i, at)
+            assert (min(at) > wait) if i == 0 else (max(at) < wait), (fmt, i, at, wait)
 
 
 @pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")

@@ -242,6 +242,21 @@ GPU_VARIANTS = [
                                                  "top_k": 8, "activation": "swiglu", "activation_limit": None,
                                                  "knobs": {**PAIR_KNOBS, "pair_combine": True}})
     for fmt in FORMATS
+] + [
+    # the GEMVs' bulk L2 prefetches (gemv_l2_prefetch, drop v52): the pair chain of qwen3-30b-a3b (FC1 after its
+    # wait, FC2 before it) and the routed GEMV with 2 K warps (8 and more K units a warp: the prefetch loop)
+    (f"{fmt}-qwen3-30b-a3b-pairs-combine-l2pf", fmt, {"hidden_size": 2048, "intermediate_size": 768,
+                                                      "num_experts": 128, "top_k": 8, "activation": "swiglu",
+                                                      "activation_limit": None,
+                                                      "knobs": {**PAIR_KNOBS, "pair_combine": True,
+                                                                "gemv_l2_prefetch": True}})
+    for fmt in FORMATS
+] + [
+    (f"{fmt}-small1024-swiglu-gemv-k2-l2pf", fmt, {**SMALL, "hidden_size": 1024, "intermediate_size": 512,
+                                                   "activation": "swiglu", "activation_limit": None,
+                                                   "knobs": {**GEMV_KNOBS, "gemv_k_warps": 2,
+                                                             "gemv_l2_prefetch": True}})
+    for fmt in FORMATS
 ]  # fmt: skip
 
 
@@ -518,6 +533,35 @@ def test_tma_store_gives_the_register_stores_bits(variant: str) -> None:
     for routing in ROUTINGS:
         for i, t in enumerate(TOKENS):
             inp = fresh_inputs(cfg, t, routing, seed=zlib.crc32(f"{variant}/twin/{routing}/{i}".encode()))
+            mine = torch.full((t, cfg.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
+            layer.forward(inp, output=mine)
+            theirs = twin.forward(inp).clone()
+            assert not mine.isnan().any(), (routing, t)
+            assert torch.equal(mine, theirs), (routing, t, (mine.float() - theirs.float()).abs().max().item())
+    twin.destroy()
+
+
+L2PF_VARIANTS = [v[0] for v in GPU_VARIANTS if v[0].endswith("-l2pf")]
+
+
+def without_l2_prefetch(knobs: dict) -> dict:
+    """An ``-l2pf`` variant's knobs without the GEMVs' L2 prefetches: its bitwise twin's."""
+    return {**knobs, "gemv_l2_prefetch": False}
+
+
+@pytest.mark.parametrize("variant", L2PF_VARIANTS)
+def test_l2_prefetch_gives_the_same_bits(variant: str) -> None:
+    """``gemv_l2_prefetch`` changes only where the GEMVs' weight bytes come from (L2 after a bulk prefetch),
+    not what they compute: the layer's outputs are bitwise equal to the same knobs' without it at every T
+    the layer takes and in every routing."""
+    layer, cfg, q, _ = _layer(variant)
+    cap = capacity(variant)
+    twin = _layer_of(dataclasses.replace(cfg, knobs=without_l2_prefetch(cfg.knobs)), q, cap)
+    assert not any(fe.knobs.gemv_l2_prefetch for fe in twin._backend.frontends.values())
+    assert all(fe.knobs.gemv_l2_prefetch for fe in layer._backend.frontends.values())
+    for routing in ROUTINGS:
+        for i, t in enumerate(sorted({1, 2, 7, cap // 2, cap} & set(range(1, cap + 1)))):
+            inp = fresh_inputs(cfg, t, routing, seed=zlib.crc32(f"{variant}/l2pf/{routing}/{i}".encode()))
             mine = torch.full((t, cfg.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
             layer.forward(inp, output=mine)
             theirs = twin.forward(inp).clone()

@@ -39,6 +39,15 @@ qwen3-30b-a3b T = 1, not faster at larger T or on the larger models:
 (the block map read with ld.relaxed.gpu: the kernel before must trigger its dependents after its own
 wait, as for ``swap_gemm``'s ``early_w``).
 
+``l2_prefetch``: as soon as the CTA knows its expert (with ``early_w`` before ``griddepcontrol.wait``,
+otherwise right after it), the lanes of every warp issue one bulk L2 prefetch
+(``cp.async.bulk.prefetch.L2``) per K tile and row range of the warp's units past the ring's first
+stages: the weight rows of a row warp are contiguous in each K tile's plane of the packed layout (one
+range of 64 rows, or for gated FC1 the 32 gate rows and the 32 up rows), and so are their scales. The
+ring then finds its later units in L2: the whole slice is requested from DRAM at once instead of one
+unit ahead, and FC2 (``early_w``) requests all of its weights while FC1 still runs. The values and
+the summation order do not change (only where the bytes come from).
+
 The pair chain (``pair_blocks``, for one token; the BF16 kernel's ``pair_blocks`` / ``pair_combine``
 for this GEMV): M block b is pair b of ``topk_ids`` (its expert, one real token column: token
 ``b // top_k``), so no routing kernel runs before FC1, and
@@ -63,7 +72,7 @@ from ..common import constants
 from ..common.host_utils import SM90_SMEM_BYTES, gemv_shared_bytes
 from ..src import block_quant as bq
 from ..src.pair_combine import combine_word, count_in, publish_stores, reset_counter
-from ..src.warp_ring import cp_async, cp_async_commit, cp_async_wait, mma_bf16_16816
+from ..src.warp_ring import cp_async, cp_async_commit, cp_async_wait, mma_bf16_16816, prefetch_l2
 from .aux_kernels import ITEM, TOKEN_LANES, dequant_slot, item_bytes, qdq_slot
 from .swap_gemm import EPI_PLAIN, SwapDequantGemmSm90
 
@@ -92,8 +101,10 @@ class GemvDequantSm90(SwapDequantGemmSm90):
         gather_x: bool = False,
         prequantized: bool = False,
         pair_combine: bool = False,
+        l2_prefetch: bool = False,
     ) -> None:
         super().__init__(fmt, 16, epilogue, limit, 1, requant=requant, gscale_index=gscale_index)
+        self.l2_prefetch = l2_prefetch
         if (gather_x or pair_combine) and not pair_blocks:
             raise ValueError("gather_x and pair_combine need pair_blocks")
         if gather_x and early_w:
@@ -257,6 +268,9 @@ class GemvDequantSm90(SwapDequantGemmSm90):
             for j in cutlass.range_constexpr(self.stages - 1):
                 pre = ring_base + j * self.stage_bytes
                 self._copy_weights(pre, mW, mS, e_early, warp + j * kw, j < mine, k_tiles, n_rows, offsets, lane)
+            if cutlass.const_expr(self.l2_prefetch):
+                if m_blk < blocks:
+                    self._prefetch_units(mW, mS, e_early, warp, mine, k_tiles, n_rows, row_warp, lane)
         if cutlass.const_expr(not self.trigger_after_wait):
             cute.arch.griddepcontrol_launch_dependents()
         cute.arch.griddepcontrol_wait()
@@ -279,6 +293,8 @@ class GemvDequantSm90(SwapDequantGemmSm90):
                 if cutlass.const_expr(not self.gather_x):
                     self._copy_tokens(first, mA, m_blk, valid_rows, warp + j * kw, j < mine, lane)
                 cp_async_commit()
+            if cutlass.const_expr(self.l2_prefetch and not self.early_w):
+                self._prefetch_units(mW, mS, expert, warp, mine, k_tiles, n_rows, row_warp, lane)
             if cutlass.const_expr(self.gather_x):  # while those weights stream in
                 self._prepare_token_row(mX, mXs, act_gscale, m_blk // topk_ids.shape[1], x_row, warp, lane)
                 cute.arch.barrier()
@@ -382,6 +398,34 @@ class GemvDequantSm90(SwapDequantGemmSm90):
                 row_h.append((row, seg ^ swz))
             out.append(row_h)
         return out
+
+    @cute.jit
+    def _prefetch_units(self, mW, mS, expert, warp, mine, k_tiles, n_rows, row_warp, lane) -> None:
+        """``l2_prefetch``: the warp's K units ``stages - 1 .. mine - 1`` (unit j is K unit ``warp + j * k_warps``)
+        into L2, one bulk prefetch of the data and one of the scales per (unit, K tile of it, row range),
+        those items spread over the lanes."""
+        kts = 1 if self.fmt == constants.FMT_MXFP8 else 2  # K tiles (64) per unit
+        ranges = 2 if self.gated else 1  # gated: the gate rows and the up rows of the row warp's 32 features
+        range_rows = ROW_WARP_ROWS // ranges
+        per_unit = kts * ranges
+        first = self.stages - 1
+        items = cutlass.max(mine - first, 0) * per_unit
+        if cutlass.const_expr(self.gated):  # features 32 W .. 32 W + 31 lie in one gate/up block (_row_offsets)
+            half = constants.SWAP_GATE_UP_BLOCK // 2
+            f0 = row_warp * 32
+            row0 = (f0 // half) * constants.SWAP_GATE_UP_BLOCK + f0 % half
+        else:
+            row0 = row_warp * ROW_WARP_ROWS
+        w_base = mW.iterator.toint()
+        s_base = mS.iterator.toint()
+        for it in cutlass.range(lane, items, 32, unroll=1):
+            j = first + it // per_unit
+            t = (it % per_unit) // ranges
+            rng = it % ranges
+            kt = (warp + j * self.k_warps) * kts + t
+            row = (Int64(expert) * k_tiles + kt) * n_rows + row0 + rng * (constants.SWAP_GATE_UP_BLOCK // 2)
+            prefetch_l2(w_base + row * self.data_bytes, Int32(range_rows * self.data_bytes))
+            prefetch_l2(s_base + row * self.scales_per_tile, Int32(range_rows * self.scales_per_tile))
 
     def _copy_weights(self, stage, mW, mS, expert, u, pred, k_tiles, n_rows, offsets, lane) -> None:
         """K unit ``u`` of the lane's eight rows into ring stage ``stage`` (row 2a + h: its 16 data bytes at

@@ -93,6 +93,9 @@ class Sm90MegaMoEQuantKernel:
     :param gemv_k_warps: warps per GEMV CTA (2, 4, 8, 16).
     :param gemv_stages: the depth of each GEMV warp's ``cp.async`` ring (2 or more; with the warps, shared
         memory bounds it: ``common.host_utils.gemv_shared_bytes``).
+    :param gemv_l2_prefetch: (``gemv`` only) each GEMV warp requests the weight rows and scales of its later K
+        units into L2 with bulk prefetches as soon as it knows its expert (``GemvDequantSm90(l2_prefetch=True)``;
+        FC2 with ``fc2_early_weights`` before its wait). Off by default: not measured yet.
     :param pair_blocks: (``gemv`` only) no routing and no gather kernel: M block b of both GEMVs is pair b of
         ``topk_ids`` (its expert, one real token column), and FC1 quantizes its token's row itself after its
         wait (``GemvDequantSm90(gather_x=True)``: the gather's functions, so the same values). Meant for one
@@ -140,6 +143,7 @@ class Sm90MegaMoEQuantKernel:
         pair_combine: bool = False,
         swap_narrow: bool = False,
         swap_tma_store: bool = False,
+        gemv_l2_prefetch: bool = False,
     ) -> None:
         if swap_narrow and not swap_ab:
             raise ValueError("swap_narrow needs the swap-AB GEMMs (swap_ab=True)")
@@ -149,6 +153,8 @@ class Sm90MegaMoEQuantKernel:
             raise ValueError("pair_blocks needs gemv=True, fc1_early_weights=False and gather_early_rows=False")
         if pair_combine and not pair_blocks:
             raise ValueError("pair_combine needs pair_blocks")
+        if gemv_l2_prefetch and not gemv:
+            raise ValueError("gemv_l2_prefetch needs the GEMV (gemv=True)")
         self.pair_blocks = pair_blocks
         self.pair_combine = pair_combine
         if gemv and not (swap_ab and tile_m in GEMV_TOKEN_TILES and not gather_in_fc1 and swap_split_k == 1):
@@ -191,7 +197,7 @@ class Sm90MegaMoEQuantKernel:
             fmt, tile_m, fc1_tile_n, fc2_tile_n, activation, limit, num_sms, fc1_stages, fc2_stages, swap_ab, swap_wg,
             probe, bf_buffers, swap_atoms, swap_stagger, gather_in_fc1, swap_split_k, fc2_early_weights,
             fc1_early_weights, gemv, gemv_k_warps, gemv_stages, pair_blocks, prequantized, pair_combine, swap_narrow,
-            swap_tma_store,
+            swap_tma_store, gemv_l2_prefetch,
         )  # fmt: skip
 
     @cute.jit
@@ -320,6 +326,7 @@ def quant_gemms(
     pair_combine: bool = False,
     swap_narrow: bool = False,
     swap_tma_store: bool = False,
+    gemv_l2_prefetch: bool = False,
 ) -> tuple:
     """FC1 (the activation and the requantization to the FC2 input format in its epilogue) and FC2 of the
     block-scaled kernels (world size 1 and EP): the swap-AB GEMMs (weights dequantized in registers,
@@ -331,15 +338,17 @@ def quant_gemms(
     ``gemv.GemvDequantSm90`` (the same early loads); ``pair_blocks`` / ``pair_combine``: the GEMVs' pair chain
     (FC1 preparing its token's row, of codes with ``prequantized``; FC2 combining); ``swap_narrow``: the swap-AB
     GEMMs' narrower WGMMAs for tiles of few real tokens (``SwapDequantGemmSm90(narrow=True)``); ``swap_tma_store``:
-    the swap-AB FC2's epilogue through shared memory and TMA stores (``SwapDequantGemmSm90(tma_store=True)``)."""
+    the swap-AB FC2's epilogue through shared memory and TMA stores (``SwapDequantGemmSm90(tma_store=True)``);
+    ``gemv_l2_prefetch``: the GEMVs' bulk L2 prefetches of their later K units
+    (``GemvDequantSm90(l2_prefetch=True)``)."""
     if gemv:
         fc1 = GemvDequantSm90(fmt, tile_m, activation, limit, requant=True, k_warps=gemv_k_warps,
                               early_w=fc1_early_weights, trigger_after_wait=fc2_early_weights,
                               stages=gemv_stages, pair_blocks=pair_blocks, gather_x=pair_blocks,
-                              prequantized=prequantized)  # fmt: skip
+                              prequantized=prequantized, l2_prefetch=gemv_l2_prefetch)  # fmt: skip
         fc2 = GemvDequantSm90(fmt, tile_m, "plain", None, gscale_index=1, k_warps=gemv_k_warps,
                               early_w=fc2_early_weights, stages=gemv_stages, pair_blocks=pair_blocks,
-                              pair_combine=pair_combine)  # fmt: skip
+                              pair_combine=pair_combine, l2_prefetch=gemv_l2_prefetch)  # fmt: skip
         return fc1, fc2
     if swap_ab:
         swap = {"max_wg": swap_wg, "max_atoms": swap_atoms, "stagger": swap_stagger, "split_k": swap_split_k,

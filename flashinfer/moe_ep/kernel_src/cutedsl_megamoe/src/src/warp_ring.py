@@ -29,6 +29,12 @@ def cp_async(dst: Int32, src: Int64, size: int, pred) -> None:
     )
 
 
+def prefetch_l2(src: Int64, size: Int32) -> None:
+    """``size`` bytes (a multiple of 16; ``src`` 16-byte aligned) of global memory into L2, asynchronously
+    (``cp.async.bulk.prefetch``: nothing to wait for, no registers or shared memory held while in flight)."""
+    cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};", read_only_args=[src, size])
+
+
 def cp_async_commit() -> None:
     cute.arch.inline_ptx("cp.async.commit_group;")
 
