@@ -530,15 +530,21 @@ def test_tma_store_gives_the_register_stores_bits(variant: str) -> None:
     layer, cfg, q, _ = _layer(variant)
     twin = _layer_of(dataclasses.replace(cfg, knobs=register_store_twin(cfg.knobs)), q)
     assert not any(fe.knobs.swap_tma_store for fe in twin._backend.frontends.values())
+    _assert_twin_bits(layer, twin, cfg, f"{variant}/twin", TOKENS)
+    twin.destroy()
+
+
+def _assert_twin_bits(layer, twin, cfg, tag: str, tokens) -> None:
+    """``layer`` (output poisoned first) and ``twin`` give bitwise-equal outputs on fresh inputs at each of
+    ``tokens`` in every routing (the seeds from ``tag``)."""
     for routing in ROUTINGS:
-        for i, t in enumerate(TOKENS):
-            inp = fresh_inputs(cfg, t, routing, seed=zlib.crc32(f"{variant}/twin/{routing}/{i}".encode()))
+        for i, t in enumerate(tokens):
+            inp = fresh_inputs(cfg, t, routing, seed=zlib.crc32(f"{tag}/{routing}/{i}".encode()))
             mine = torch.full((t, cfg.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
             layer.forward(inp, output=mine)
             theirs = twin.forward(inp).clone()
             assert not mine.isnan().any(), (routing, t)
             assert torch.equal(mine, theirs), (routing, t, (mine.float() - theirs.float()).abs().max().item())
-    twin.destroy()
 
 
 L2PF_VARIANTS = [v[0] for v in GPU_VARIANTS if v[0].endswith("-l2pf")]
@@ -559,14 +565,7 @@ def test_l2_prefetch_gives_the_same_bits(variant: str) -> None:
     twin = _layer_of(dataclasses.replace(cfg, knobs=without_l2_prefetch(cfg.knobs)), q, cap)
     assert not any(fe.knobs.gemv_l2_prefetch for fe in twin._backend.frontends.values())
     assert all(fe.knobs.gemv_l2_prefetch for fe in layer._backend.frontends.values())
-    for routing in ROUTINGS:
-        for i, t in enumerate(sorted({1, 2, 7, cap // 2, cap} & set(range(1, cap + 1)))):
-            inp = fresh_inputs(cfg, t, routing, seed=zlib.crc32(f"{variant}/l2pf/{routing}/{i}".encode()))
-            mine = torch.full((t, cfg.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
-            layer.forward(inp, output=mine)
-            theirs = twin.forward(inp).clone()
-            assert not mine.isnan().any(), (routing, t)
-            assert torch.equal(mine, theirs), (routing, t, (mine.float() - theirs.float()).abs().max().item())
+    _assert_twin_bits(layer, twin, cfg, f"{variant}/l2pf", sorted({1, 2, 7, cap // 2, cap} & set(range(1, cap + 1))))
     twin.destroy()
 
 
