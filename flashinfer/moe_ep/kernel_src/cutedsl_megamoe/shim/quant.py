@@ -60,7 +60,7 @@ class QuantKnobs:
     weight rows into shared memory with ``cp.async`` and multiplies them with ``mma.sync``; for decode),
     ``gemv_k_warps`` warps per CTA splitting K (2, 4, 8, 16), ``gemv_stages`` the depth of each warp's
     ring (2+; warps times stages are bounded by shared memory); the early-weight knobs apply to it alike.
-    ``gemv_l2_prefetch`` (with ``gemv``; drop v52; off by default, on in the backend's ``gemv8``): every GEMV
+    ``gemv_l2_prefetch`` (with ``gemv``; drop v52; off: 8-14 % slower in ``gemv8``, TUNING.md session 40): every GEMV
     warp requests its later K units' weight rows and scales into L2 with bulk prefetches once it knows its
     expert (FC2 with ``fc2_early_weights`` before it waits for FC1), so the slice streams from DRAM at once;
     the results do not change.

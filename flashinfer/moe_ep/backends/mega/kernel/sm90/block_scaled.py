@@ -350,12 +350,13 @@ class TokenBucket:
 #:   MXFP8 up to 1/8 pair per expert), NVFP4 1.000x; at T = 4 0.997x / 1.154x (not moved). Not on
 #:   qwen3-235b-a22b / deepseek-v3 T = 1 (NVFP4 1.046x / 1.255x of ``sparse16``). Session 33 (H200): the pair
 #:   chain 0.851x (MXFP8) / 0.935x (NVFP4) of the routed GEMV's time at T = 1; NVFP4 at qwen3-30b-a3b T = 2
-#:   0.953-0.956x of ``sparse16``'s time (three runs), so both formats up to 1/8 pair per expert. Drop v52
-#:   (session 39, H100, interleaved A/B in CUDA graphs): the GEMVs' bulk L2 prefetches (``gemv_l2_prefetch``)
-#:   make the pair chain 8-14 % faster at T = 1-2 (outputs bitwise equal), and then faster than the default
-#:   buckets up to one pair per expert, the pair chain's limit (qwen3-30b-a3b T = 3 / 4 / 6 / 8 / 12 / 16: MXFP8
-#:   1.07 / 1.13-1.15 / 1.34 / 1.27-1.30 / 1.46 / 1.66x, NVFP4 1.06 / 1.22-1.23 / 1.30 / 1.21 / 1.47 / 1.79x their
-#:   time); so ``gemv8`` serves up to one pair per expert. Not measured on the larger H (``max_hidden``).
+#:   0.953-0.956x of ``sparse16``'s time (three runs), so both formats up to 1/8 pair per expert. Drop v52's
+#:   bulk L2 prefetches (``gemv_l2_prefetch``) are off: in session 39's A/B (H100, interleaved, CUDA graphs,
+#:   outputs bitwise equal) they made the pair chain 8-14 % *slower* at T = 1-2 (the candidate's time over the
+#:   default's: MXFP8 1.084-1.092, NVFP4 1.075-1.141), and the pair chain with them was slower than the default
+#:   buckets at T = 4-16 (1.13-1.66x MXFP8, 1.21-1.79x NVFP4 their time). Session 39 read those ratios the wrong
+#:   way round and put both into ``gemv8`` (up to one pair per expert); session 40's decode bench in graphs of 8
+#:   layers showed the loss (H100, T = 16: MXFP8 263 us, NVFP4 170 us a layer) and restored this bucket.
 _EARLY = {"fc2_early_weights": True, "gather_early_rows": True}
 _GATHER = {"swap_ab": True, "gather_in_fc1": True, **_EARLY}
 _NARROW = {"swap_narrow": True}
@@ -369,12 +370,11 @@ BUCKETS = (
             "gemv": True,
             "gemv_k_warps": 4,
             "gemv_stages": 2,
-            "gemv_l2_prefetch": True,
             "fc2_early_weights": True,
             "pair_blocks": True,
             "pair_combine": True,
         },
-        max_pairs_per_expert=1.0,
+        max_pairs_per_expert=0.125,
         fallback="decode",
         formats=("mxfp8", "nvfp4"),
         max_hidden=2048,
