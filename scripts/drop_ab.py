@@ -221,7 +221,8 @@ def main() -> int:
                 rows.append((name, t, lab, ms["ours"], ms[lab], ms[lab] / ms["ours"], same, diff))
                 verdict = "bitwise equal" if same else f"differ (max {diff:.3g})"
                 print(f"  {name} T={t} {lab}: ours {ms['ours']:.4f} ms, other {ms[lab]:.4f} ms, "
-                      f"x{ms[lab] / ms['ours']:.3f}, outputs {verdict}", flush=True)  # fmt: skip
+                      f"other/ours {ms[lab] / ms['ours']:.3f} ({_verdict(ms[lab] / ms['ours'])}), "
+                      f"outputs {verdict}", flush=True)  # fmt: skip
         for layer in [*layers.values(), *by_knobs.values()]:
             layer.destroy()
         del w13, w2
@@ -232,11 +233,21 @@ def main() -> int:
         print("\n".join(f"k{i + 1} = the bucket's knobs with {json.dumps(k)}" for i, k in enumerate(changes)))
     elif len(candidates) > 1:
         print("\n".join(f"k{i + 1} = {json.dumps(k)}" for i, k in enumerate(candidates)))
-    print(f"{'contract':16s} {'T':>6s} {'other':>6s} {'ours':>9s} {'other':>9s} {'x other':>8s}  outputs")
+    # other/ours is the other layer's time over ours: above 1 the other is slower
+    print(f"{'contract':16s} {'T':>6s} {'other':>6s} {'ours':>9s} {'other':>9s} {'other/ours':>10s} "
+          f"{'the other is':>16s}  outputs")  # fmt: skip
     for name, t, lab, a, b, r, same, diff in rows:
-        print(f"{name:16s} {t:6d} {lab:>6s} {a:9.4f} {b:9.4f} {r:8.3f}  "
+        print(f"{name:16s} {t:6d} {lab:>6s} {a:9.4f} {b:9.4f} {r:10.3f} {_verdict(r):>16s}  "
               f"{'bitwise' if same else f'max diff {diff:.3g}'}")  # fmt: skip
     return 0 if all(r[6] for r in rows) else 1
+
+
+def _verdict(ratio: float) -> str:
+    """The other layer against ours from ``ratio`` = other time / our time, in words (session 39 read the bare
+    ratio the wrong way round)."""
+    if abs(ratio - 1.0) < 0.0005:
+        return "as fast"
+    return f"{abs(ratio - 1.0) * 100:.1f} % {'slower' if ratio > 1.0 else 'faster'}"
 
 
 if __name__ == "__main__":
