@@ -43,16 +43,16 @@ def build_quant(cache: Path, shard: tuple[int, int] = (0, 1), bench_only: bool =
     from flashinfer.moe_ep.core.contracts import get_contract
     from tests.backends.mega.kernel.sm90.test_quant_gpu import (
         CONFIG_CLS,
-        GEMV_KNOBS,
         GPU_VARIANTS,
         register_store_twin,
+        routed_gemv_twin,
         without_l2_prefetch,
     )
 
     tests = [] if bench_only else GPU_VARIANTS
     variants = [(name, CONFIG_CLS[fmt](**geometry)) for name, fmt, geometry in tests]
     # test_pair_chain_gives_the_gemvs_bits: each pair-chain variant's twin, the routed GEMV chain on its geometry
-    variants += [(f"{name}-twin", CONFIG_CLS[fmt](**{**geometry, "knobs": GEMV_KNOBS}))
+    variants += [(f"{name}-twin", CONFIG_CLS[fmt](**{**geometry, "knobs": routed_gemv_twin(geometry["knobs"])}))
                  for name, fmt, geometry in tests if "-pairs" in name]  # fmt: skip
     # test_tma_store_gives_the_register_stores_bits: each -tma variant's twin with FC2's register stores
     variants += [(f"{name}-twin", CONFIG_CLS[fmt](**{**geometry, "knobs": register_store_twin(geometry["knobs"])}))

@@ -123,7 +123,7 @@ SRC_SYMBOLS: dict[str, SrcSymbol] = {
         "moe_quant_glu.kernel",
         "Sm90MegaMoEQuantKernel",
         True,
-        ("shim/quant.py",),
+        ("shim/quant.py", "tests"),
         init_params=(
             *QUANT_KERNEL_INIT,
             "gather_in_fc1",
@@ -138,6 +138,7 @@ SRC_SYMBOLS: dict[str, SrcSymbol] = {
             "pair_combine",
             "swap_tma_store",
             "gemv_l2_prefetch",
+            "gemv_fc1_k_warps",
         ),
         call_params=QUANT_KERNEL_CALL,
     ),

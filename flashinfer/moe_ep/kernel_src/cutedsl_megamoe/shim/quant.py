@@ -60,6 +60,9 @@ class QuantKnobs:
     weight rows into shared memory with ``cp.async`` and multiplies them with ``mma.sync``; for decode),
     ``gemv_k_warps`` warps per CTA splitting K (2, 4, 8, 16), ``gemv_stages`` the depth of each warp's
     ring (2+; warps times stages are bounded by shared memory); the early-weight knobs apply to it alike.
+    ``gemv_fc1_k_warps`` (with ``gemv``; drop v53; None: ``gemv_k_warps``): FC1's warps per GEMV CTA alone, so
+    FC1's K chain (H / unit units per CTA, each warp one ``cp.async`` round trip per unit) can be split over more
+    warps while FC2's CTAs keep their size and occupancy.
     ``gemv_l2_prefetch`` (with ``gemv``; drop v52; off: 8-14 % slower in ``gemv8``, TUNING.md session 40): every GEMV
     warp requests its later K units' weight rows and scales into L2 with bulk prefetches once it knows its
     expert (FC2 with ``fc2_early_weights`` before it waits for FC1), so the slice streams from DRAM at once;
@@ -90,6 +93,7 @@ class QuantKnobs:
     gemv: bool = False
     gemv_k_warps: int = 4
     gemv_stages: int = 2
+    gemv_fc1_k_warps: int | None = None
     gemv_l2_prefetch: bool = False
     pair_blocks: bool = False
     pair_combine: bool = False
@@ -226,18 +230,22 @@ class QuantFrontend(KernelFrontend):
         k, g = self.knobs, self.geometry
         if not (k.swap_ab and k.tile_m in (8, 16)) or k.gather_in_fc1 or k.swap_split_k != 1:
             raise ValueError("gemv needs swap_ab=True with tile_m 8 or 16, no gather_in_fc1 and swap_split_k=1")
-        if k.gemv_k_warps not in (2, 4, 8, 16):
-            raise ValueError(f"gemv_k_warps must be 2, 4, 8 or 16, got {k.gemv_k_warps}")
+        fc1_k_warps = k.gemv_k_warps if k.gemv_fc1_k_warps is None else k.gemv_fc1_k_warps
+        for name, warps in (("gemv_k_warps", k.gemv_k_warps), ("gemv_fc1_k_warps", fc1_k_warps)):
+            if warps not in (2, 4, 8, 16):
+                raise ValueError(f"{name} must be 2, 4, 8 or 16, got {warps}")
         if k.gemv_stages < 2:
             raise ValueError(f"gemv_stages must be 2 or more, got {k.gemv_stages}")
-        # FC2's CTA (token chunks in the ring); with pair_blocks FC1's holds the token row (K = H) instead
-        rows = (0, g.hidden) if k.pair_blocks else (0,)
-        smem = max(kh.gemv_shared_bytes(self.fmt, k.tile_m, k.gemv_k_warps, k.gemv_stages, row) for row in rows)
-        if smem > kh.SM90_SMEM_BYTES:
-            raise ValueError(
-                f"gemv_k_warps={k.gemv_k_warps} with {k.tile_m}-token blocks and gemv_stages={k.gemv_stages} needs "
-                f"{smem} bytes of shared memory (at most {kh.SM90_SMEM_BYTES}): use fewer warps or stages"
-            )
+        # FC2's CTA (token chunks in the ring); FC1's the same, or with pair_blocks the token row (K = H) instead
+        fc1_row = g.hidden if k.pair_blocks else 0
+        ctas = (("gemv_k_warps", k.gemv_k_warps, 0), ("gemv_fc1_k_warps", fc1_k_warps, fc1_row))
+        for name, warps, row in ctas:
+            smem = kh.gemv_shared_bytes(self.fmt, k.tile_m, warps, k.gemv_stages, row)
+            if smem > kh.SM90_SMEM_BYTES:
+                raise ValueError(
+                    f"{name}={warps} with {k.tile_m}-token blocks and gemv_stages={k.gemv_stages} needs {smem} bytes "
+                    f"of shared memory (at most {kh.SM90_SMEM_BYTES}): use fewer warps or stages"
+                )
         if self.gated and (k.fc1_tile_n != 256 or g.fc1_rows % 256):
             raise ValueError("gemv needs gate/up rows interleaved per 256 (fc1_tile_n=256, 2I a multiple of 256)")
         if g.fc1_rows % 64 or g.hidden % 64:
@@ -252,6 +260,8 @@ class QuantFrontend(KernelFrontend):
         k = self.knobs
         if k.gemv_l2_prefetch and not k.gemv:
             raise ValueError("gemv_l2_prefetch needs gemv=True (the GEMV's bulk L2 prefetches)")
+        if k.gemv_fc1_k_warps is not None and not k.gemv:
+            raise ValueError("gemv_fc1_k_warps needs gemv=True (FC1's GEMV warps)")
         if k.pair_blocks and not k.gemv:
             raise ValueError("pair_blocks needs gemv=True (the GEMV's pair chain)")
         if k.pair_blocks and (k.fc1_early_weights or k.gather_early_rows):
@@ -295,6 +305,7 @@ class QuantFrontend(KernelFrontend):
             pair_combine=k.pair_combine,
             swap_tma_store=k.swap_tma_store,
             gemv_l2_prefetch=k.gemv_l2_prefetch,
+            gemv_fc1_k_warps=k.gemv_fc1_k_warps,
         )
         return kh.export_moe_quant(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)
 

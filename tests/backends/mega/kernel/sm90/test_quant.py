@@ -145,6 +145,21 @@ def test_mxfp8_scales_beyond_bf16_multiplier_are_rejected() -> None:
         weights(q, scale, q, scale, "mxfp8", 64, False)
 
 
+@pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL (pip install .[test])")
+def test_drop_refuses_tma_store_where_it_was_not_validated() -> None:
+    """The drop's kernel itself refuses ``swap_tma_store`` where the shim does (four warpgroups, one atom), for
+    callers that construct it directly; the validated plans construct."""
+    kernel = kh.Sm90MegaMoEQuantKernel
+    for fmt in ("mxfp8", "nvfp4"):
+        for wg, atoms, act in ((4, 1, "swiglu"), (4, 2, "swiglu"), (2, 1, "relu2")):
+            with pytest.raises(ValueError, match=f"tma_store is refused with max_wg={wg}, max_atoms={atoms}"):
+                kernel(fmt, act, None, 128, 128, 128, 132, swap_ab=True, swap_wg=wg, swap_atoms=atoms,
+                       swap_tma_store=True)  # fmt: skip
+        for wg, atoms in ((2, 4), (2, 2), (1, 4)):
+            kernel(fmt, "swiglu", None, 128, 128, 128, 132, swap_ab=True, swap_wg=wg, swap_atoms=atoms,
+                   swap_tma_store=True)  # fmt: skip
+
+
 def test_config_validation() -> None:
     with pytest.raises(MoEEpConfigError, match="unknown bogus"):
         CONFIG["mxfp8"](256, 128, 8, 2, knobs={"bogus": 1})
@@ -182,6 +197,16 @@ def test_config_validation() -> None:
                 bucket_frontends(CONFIG[fmt](256, 128, 8, 2, activation=act, activation_limit=None,
                                              knobs={"tile_m": 128, "swap_ab": True, "swap_wg": wg,
                                                     "swap_atoms": atoms, "swap_tma_store": True}), 8)  # fmt: skip
+        with pytest.raises(MoEEpConfigError, match="gemv_fc1_k_warps needs gemv=True"):
+            bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 16, "swap_ab": True,
+                                                                "gemv_fc1_k_warps": 8}), 8)  # fmt: skip
+        gemv = {"tile_m": 8, "swap_ab": True, "gemv": True}
+        with pytest.raises(MoEEpConfigError, match="gemv_fc1_k_warps must be 2, 4, 8 or 16, got 3"):
+            bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={**gemv, "gemv_fc1_k_warps": 3}), 8)
+        # FC1's CTA alone outgrows shared memory (16 warps of 3-deep rings); FC2's 4 warps would fit
+        with pytest.raises(MoEEpConfigError, match=r"gemv_fc1_k_warps=16 with 8-token blocks and gemv_stages=3"):
+            bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={**gemv, "gemv_stages": 3, "gemv_fc1_k_warps": 16}), 8)
+        bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={**gemv, "gemv_stages": 3, "gemv_fc1_k_warps": 4}), 8)
         with pytest.raises(MoEEpConfigError, match="gemv_l2_prefetch needs gemv=True"):
             bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 16, "swap_ab": True,
                                                                 "gemv_l2_prefetch": True}), 8)  # fmt: skip

@@ -257,6 +257,21 @@ GPU_VARIANTS = [
                                                    "knobs": {**GEMV_KNOBS, "gemv_k_warps": 2,
                                                              "gemv_l2_prefetch": True}})
     for fmt in FORMATS
+] + [
+    # FC1's own GEMV warp count (gemv_fc1_k_warps, drop v53): the qwen3-30b-a3b pair chain with FC1 over 8 warps
+    # (FC2 keeps 4), and the routed GEMV with FC1 over 8 warps and FC2 over 2 (H 1024: one or two K units a warp)
+    (f"{fmt}-qwen3-30b-a3b-pairs-combine-fc1k8", fmt, {"hidden_size": 2048, "intermediate_size": 768,
+                                                       "num_experts": 128, "top_k": 8, "activation": "swiglu",
+                                                       "activation_limit": None,
+                                                       "knobs": {**PAIR_KNOBS, "pair_combine": True,
+                                                                 "gemv_fc1_k_warps": 8}})
+    for fmt in FORMATS
+] + [
+    (f"{fmt}-small1024-swiglu-gemv-fc1k8-k2", fmt, {**SMALL, "hidden_size": 1024, "intermediate_size": 512,
+                                                     "activation": "swiglu", "activation_limit": None,
+                                                     "knobs": {**GEMV_KNOBS, "gemv_k_warps": 2,
+                                                               "gemv_fc1_k_warps": 8}})
+    for fmt in FORMATS
 ]  # fmt: skip
 
 
@@ -495,13 +510,20 @@ def test_pair_chain(variant: str, routing: str) -> None:
 
 
 @pytest.mark.parametrize("variant", PAIR_VARIANTS)
+def routed_gemv_twin(knobs: dict) -> dict:
+    """A pair-chain variant's routed GEMV twin: ``GEMV_KNOBS`` with the variant's GEMV warps and ring depth (they
+    set how K is split and summed)."""
+    same = ("gemv_k_warps", "gemv_fc1_k_warps", "gemv_stages")
+    return {**GEMV_KNOBS, **{k: knobs[k] for k in same if k in knobs}}
+
+
 def test_pair_chain_gives_the_gemvs_bits(variant: str) -> None:
-    """The pair chain against the routed GEMV chain (``GEMV_KNOBS``: routing, gather, the same two GEMVs,
+    """The pair chain against the routed GEMV chain (``routed_gemv_twin``: routing, gather, the same two GEMVs,
     combine) on the same weights and inputs: FC1's token row is the gather's (the same functions), the
     GEMVs multiply and sum the same way, FC2's combine is the combine kernel's FMA chain, so the outputs
     are bitwise equal at every T the pair layer takes, in every routing."""
     layer, cfg, q, _ = _layer(variant)
-    twin = _layer_of(dataclasses.replace(cfg, knobs=GEMV_KNOBS), q)
+    twin = _layer_of(dataclasses.replace(cfg, knobs=routed_gemv_twin(cfg.knobs)), q)
     assert all(fe.knobs.gemv and not fe.knobs.pair_blocks for fe in twin._backend.frontends.values())
     cap = capacity(variant)
     for routing in ROUTINGS:

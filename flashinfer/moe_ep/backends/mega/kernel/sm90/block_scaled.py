@@ -429,6 +429,7 @@ WORLD1_KNOBS = (
     "gemv_k_warps",
     "gemv_stages",
     "gemv_l2_prefetch",
+    "gemv_fc1_k_warps",
     "pair_blocks",
     "pair_combine",
     "swap_tma_store",

@@ -58,12 +58,14 @@ class Sm90MegaMoEQuantKernel:
         tile) runs the narrowest WGMMA that holds them, on the first columns of its token stage (each expert's
         last token tile holds its remainder: at 128-token tiles about a fifth of the MMA slots of a uniform
         prefill are padding otherwise). The conversion of the weights is the same at every width. Output-neutral
-        (the same products per output, summed alike). Off by default: not measured yet (TUNING.md, session 35).
+        (the same products per output, summed alike). Off by default here; the frontend turns it on where it was
+        measured faster (TUNING.md, session 36).
     :param swap_tma_store: (``swap_ab`` only) FC2's swap-AB epilogue stages each group of 8 tokens x a warp's
         16, 32 or 64 features in shared memory (transposing ``stmatrix``) and writes it with one TMA store, instead
         of a shuffle and a 32-bit store per feature pair (``SwapDequantGemmSm90(tma_store=True)``; FC1, whose
-        epilogue is gated, keeps the register stores). Output-neutral. Off by default: not measured yet
-        (TUNING.md, session 37).
+        epilogue is gated, keeps the register stores). Output-neutral. Refused with four consumer warpgroups or
+        one WGMMA atom per warpgroup (four 1-atom warpgroups stored wrong values on a GPU; TUNING.md, session 38).
+        Off by default here; the frontend turns it on where it was measured faster.
     :param num_sms, fc1_stages, fc2_stages, use_pdl, aux_vpt: as the BF16 kernel.
     :param swap_split_k: (``swap_ab`` only) K parts per CTA tile of the swap-AB GEMMs at most (1, 2,
         4): where that many parts of every tile fit one wave of the grid (few tokens), each part runs
@@ -91,11 +93,16 @@ class Sm90MegaMoEQuantKernel:
         smallest T, where the swap-AB GEMMs are bound by their K loop's latency rather than the weight
         bytes. ``fc1_early_weights`` and ``fc2_early_weights`` apply to it as to the swap-AB GEMMs.
     :param gemv_k_warps: warps per GEMV CTA (2, 4, 8, 16).
+    :param gemv_fc1_k_warps: FC1's warps per GEMV CTA where they differ from FC2's (None: ``gemv_k_warps``). Each
+        warp of a CTA takes every ``k_warps``-th K unit in turn, one ``cp.async`` round trip after another, so
+        more warps shorten FC1's chain (K = H units); FC2's CTAs (K = I, its token chunks in the ring) keep
+        theirs and their occupancy.
     :param gemv_stages: the depth of each GEMV warp's ``cp.async`` ring (2 or more; with the warps, shared
         memory bounds it: ``common.host_utils.gemv_shared_bytes``).
     :param gemv_l2_prefetch: (``gemv`` only) each GEMV warp requests the weight rows and scales of its later K
         units into L2 with bulk prefetches as soon as it knows its expert (``GemvDequantSm90(l2_prefetch=True)``;
-        FC2 with ``fc2_early_weights`` before its wait). Off by default: not measured yet.
+        FC2 with ``fc2_early_weights`` before its wait). Off by default: 8-14 % slower in the qwen3-30b-a3b pair
+        chain at T = 1-2 (TUNING.md, sessions 39-40).
     :param pair_blocks: (``gemv`` only) no routing and no gather kernel: M block b of both GEMVs is pair b of
         ``topk_ids`` (its expert, one real token column), and FC1 quantizes its token's row itself after its
         wait (``GemvDequantSm90(gather_x=True)``: the gather's functions, so the same values). Meant for one
@@ -144,6 +151,7 @@ class Sm90MegaMoEQuantKernel:
         swap_narrow: bool = False,
         swap_tma_store: bool = False,
         gemv_l2_prefetch: bool = False,
+        gemv_fc1_k_warps: int | None = None,
     ) -> None:
         if swap_narrow and not swap_ab:
             raise ValueError("swap_narrow needs the swap-AB GEMMs (swap_ab=True)")
@@ -155,6 +163,8 @@ class Sm90MegaMoEQuantKernel:
             raise ValueError("pair_combine needs pair_blocks")
         if gemv_l2_prefetch and not gemv:
             raise ValueError("gemv_l2_prefetch needs the GEMV (gemv=True)")
+        if gemv_fc1_k_warps is not None and not gemv:
+            raise ValueError("gemv_fc1_k_warps needs the GEMV (gemv=True)")
         self.pair_blocks = pair_blocks
         self.pair_combine = pair_combine
         if gemv and not (swap_ab and tile_m in GEMV_TOKEN_TILES and not gather_in_fc1 and swap_split_k == 1):
@@ -197,7 +207,7 @@ class Sm90MegaMoEQuantKernel:
             fmt, tile_m, fc1_tile_n, fc2_tile_n, activation, limit, num_sms, fc1_stages, fc2_stages, swap_ab, swap_wg,
             probe, bf_buffers, swap_atoms, swap_stagger, gather_in_fc1, swap_split_k, fc2_early_weights,
             fc1_early_weights, gemv, gemv_k_warps, gemv_stages, pair_blocks, prequantized, pair_combine, swap_narrow,
-            swap_tma_store, gemv_l2_prefetch,
+            swap_tma_store, gemv_l2_prefetch, gemv_fc1_k_warps,
         )  # fmt: skip
 
     @cute.jit
@@ -327,6 +337,7 @@ def quant_gemms(
     swap_narrow: bool = False,
     swap_tma_store: bool = False,
     gemv_l2_prefetch: bool = False,
+    gemv_fc1_k_warps: int | None = None,
 ) -> tuple:
     """FC1 (the activation and the requantization to the FC2 input format in its epilogue) and FC2 of the
     block-scaled kernels (world size 1 and EP): the swap-AB GEMMs (weights dequantized in registers,
@@ -340,9 +351,10 @@ def quant_gemms(
     GEMMs' narrower WGMMAs for tiles of few real tokens (``SwapDequantGemmSm90(narrow=True)``); ``swap_tma_store``:
     the swap-AB FC2's epilogue through shared memory and TMA stores (``SwapDequantGemmSm90(tma_store=True)``);
     ``gemv_l2_prefetch``: the GEMVs' bulk L2 prefetches of their later K units
-    (``GemvDequantSm90(l2_prefetch=True)``)."""
+    (``GemvDequantSm90(l2_prefetch=True)``); ``gemv_fc1_k_warps``: FC1's GEMV warps (None: ``gemv_k_warps``)."""
     if gemv:
-        fc1 = GemvDequantSm90(fmt, tile_m, activation, limit, requant=True, k_warps=gemv_k_warps,
+        fc1_k_warps = gemv_k_warps if gemv_fc1_k_warps is None else gemv_fc1_k_warps
+        fc1 = GemvDequantSm90(fmt, tile_m, activation, limit, requant=True, k_warps=fc1_k_warps,
                               early_w=fc1_early_weights, trigger_after_wait=fc2_early_weights,
                               stages=gemv_stages, pair_blocks=pair_blocks, gather_x=pair_blocks,
                               prequantized=prequantized, l2_prefetch=gemv_l2_prefetch)  # fmt: skip

@@ -172,6 +172,13 @@ class SwapDequantGemmSm90:
         self.tok_tile = tok_tile
         self.epilogue = epilogue
         self.gated = epilogue in constants.GATED_ACTIVATIONS
+        if tma_store and not self.gated and (max_wg == 4 or max_atoms == 1):
+            # four 1-atom warpgroups stored wrong, run-dependent values (TUNING.md, session 38); four 2-atom
+            # warpgroups and one atom in two warpgroups were never validated
+            raise ValueError(
+                f"tma_store is refused with max_wg={max_wg}, max_atoms={max_atoms}: it takes 1 or 2 consumer "
+                "warpgroups of 2 or 4 WGMMA atoms"
+            )
         self.limit = limit
         self.num_sms = num_sms
         self.ab_stages_override = ab_stages
