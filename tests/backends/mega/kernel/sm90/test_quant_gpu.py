@@ -509,7 +509,6 @@ def test_pair_chain(variant: str, routing: str) -> None:
         assert bool(out.isnan().all()), "a refused launch wrote its output"
 
 
-@pytest.mark.parametrize("variant", PAIR_VARIANTS)
 def routed_gemv_twin(knobs: dict) -> dict:
     """A pair-chain variant's routed GEMV twin: ``GEMV_KNOBS`` with the variant's GEMV warps and ring depth (they
     set how K is split and summed)."""
@@ -517,6 +516,7 @@ def routed_gemv_twin(knobs: dict) -> dict:
     return {**GEMV_KNOBS, **{k: knobs[k] for k in same if k in knobs}}
 
 
+@pytest.mark.parametrize("variant", PAIR_VARIANTS)
 def test_pair_chain_gives_the_gemvs_bits(variant: str) -> None:
     """The pair chain against the routed GEMV chain (``routed_gemv_twin``: routing, gather, the same two GEMVs,
     combine) on the same weights and inputs: FC1's token row is the gather's (the same functions), the
