@@ -244,10 +244,12 @@ def test_buckets_share_the_weight_layout(fmt: str) -> None:
         assert k.swap_split_k == bk.get("swap_split_k", 1)
         # early weight loads: FC2's in every swap-AB bucket, FC1's where the gather kernel precedes it at T <= 2
         assert k.fc2_early_weights and k.fc1_early_weights == (b.name in ("split16", "sparse16"))
-        assert k.gemv == (b.name == "gemv8") and k.gemv_k_warps == bk.get("gemv_k_warps", 4)
-        # the pair chain (gemv8: no routing, gather or combine kernel) and elsewhere the gather, which quantizes
-        # its first items before it waits for the routing
-        paired = b.name == "gemv8"
+        gemv = b.name in ("gemv8k8", "gemv8")
+        assert k.gemv == gemv and k.gemv_k_warps == bk.get("gemv_k_warps", 4)
+        assert k.gemv_fc1_k_warps == (8 if b.name == "gemv8k8" else None)
+        # the pair chain (the GEMV buckets: no routing, gather or combine kernel) and elsewhere the gather, which
+        # quantizes its first items before it waits for the routing
+        paired = gemv
         assert k.pair_blocks == k.pair_combine == paired and k.gather_early_rows == (not paired)
         assert k.fc1_tile_n == layout.knobs.fc1_tile_n  # one packed layout
     assert len({fe.key.digest() for fe in fes.values()}) == len(fes)
@@ -334,29 +336,33 @@ def test_nvfp4_sparse16_serves_while_its_fc1_fits_one_wave(fmt: str) -> None:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_gemv8_serves_its_formats_pairs_and_hidden_sizes(fmt: str) -> None:
-    """The expert GEMV bucket (sessions 24, 32 and 33 A/B; session 39's wider range was a misread A/B, undone in
-    session 40): up to 1/8 pair per expert (T = 1-2 on the qwen3 contracts), where H <= 2048 (qwen3-30b-a3b;
-    qwen3-235b-a22b's 4096 and deepseek-v3's 7168 keep the swap-AB buckets), in both formats, with the pair
-    chain and without the L2 prefetches (measured slower), and never for callers that give no H, nor in an EP
-    layer (its knobs are world-size-1 knobs)."""
+    """The expert GEMV buckets (sessions 24, 32, 33 and 40 A/B; session 39's wider range was a misread A/B, undone
+    in session 40): ``gemv8k8`` (FC1 over 8 GEMV warps) up to 1/16 pair per expert, ``gemv8`` up to 1/8 (T = 1 and
+    T = 2 on the qwen3 contracts), where H <= 2048 (qwen3-30b-a3b; qwen3-235b-a22b's 4096 and deepseek-v3's 7168
+    keep the swap-AB buckets), in both formats, with the pair chain and without the L2 prefetches (measured
+    slower), and never for callers that give no H, nor in an EP layer (its knobs are world-size-1 knobs)."""
+    gemvs = ("gemv8k8", "gemv8")
     for name in ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3"):
         c = CONTRACTS[name]
-        last = c.num_experts // c.top_k // 8  # 1/8 pair per expert
+        first, last = c.num_experts // c.top_k // 16, c.num_experts // c.top_k // 8  # 1/16 and 1/8 pair per expert
         cfg = CONFIG[fmt](c.hidden_size, c.intermediate_size, c.num_experts, c.top_k)
         fes = bucket_frontends(cfg, c.num_experts)
         picks = [token_bucket(t, c.top_k, c.num_experts, fmt, fes, c.hidden_size) for t in range(1, last + 9)]
         if c.hidden_size <= 2048:
-            assert picks[:last] == ["gemv8"] * last and "gemv8" not in picks[last:], (name, picks)
-            assert fes["gemv8"].knobs.gemv and fes["gemv8"].knobs.tile_m == 8 and fes["gemv8"].knobs.gemv_stages == 2
-            assert fes["gemv8"].knobs.pair_blocks and fes["gemv8"].knobs.pair_combine
-            assert not fes["gemv8"].knobs.gemv_l2_prefetch
-            # every T the bucket serves fits one pair chain launch (T * top_k <= num_experts)
-            assert fes["gemv8"].pair_blocks_max_tokens >= last
+            assert first >= 1 and picks[:last] == ["gemv8k8"] * first + ["gemv8"] * (last - first), (name, picks)
+            assert not set(gemvs) & set(picks[last:]), (name, picks)
+            for b in gemvs:
+                k = fes[b].knobs
+                assert k.gemv and k.tile_m == 8 and k.gemv_stages == 2 and k.gemv_k_warps == 4
+                assert k.pair_blocks and k.pair_combine and not k.gemv_l2_prefetch
+                # every T the bucket serves fits one pair chain launch (T * top_k <= num_experts)
+                assert fes[b].pair_blocks_max_tokens >= last
+            assert fes["gemv8k8"].knobs == dataclasses.replace(fes["gemv8"].knobs, gemv_fc1_k_warps=8)
         else:
-            assert "gemv8" not in picks and "gemv8" not in fes, (name, picks)  # no kernel built for it
-        assert "gemv8" not in [token_bucket(t, c.top_k, c.num_experts, fmt, fes) for t in range(1, 10)]
-        assert "gemv8" not in bucket_frontends(cfg, c.num_experts // 2, EpPlacement(2))
-    assert "gemv8" not in [b.name for b in ep_buckets(2)]
+            assert not set(gemvs) & (set(picks) | set(fes)), (name, picks)  # no kernel built for them
+        assert not set(gemvs) & {token_bucket(t, c.top_k, c.num_experts, fmt, fes) for t in range(1, 10)}
+        assert not set(gemvs) & set(bucket_frontends(cfg, c.num_experts // 2, EpPlacement(2)))
+    assert not set(gemvs) & {b.name for b in ep_buckets(2)}
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -411,8 +417,8 @@ def test_pair_knob_validation(fmt: str) -> None:
     ep_knobs = {k: v for k, v in PAIR_KNOBS.items() if k != "fc2_early_weights"}
     with pytest.raises(MoEEpConfigError, match="gemv is a world-size-1 knob"):
         bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs=ep_knobs), 4, EpPlacement(2))
-    # the default buckets: on in gemv8 only (session 32's A/B)
-    assert [b.name for b in BUCKETS if b.knobs_for(fmt).get("pair_blocks")] == ["gemv8"]
+    # the default buckets: on in the GEMV buckets only (session 32's A/B)
+    assert [b.name for b in BUCKETS if b.knobs_for(fmt).get("pair_blocks")] == ["gemv8k8", "gemv8"]
 
 
 def test_gemv_shared_bytes_of_the_pair_chain() -> None:
@@ -543,13 +549,13 @@ def test_build_every_default_variant_for_sm90a(fmt: str, tmp_path: Path, capsys)
     want = {fe.key.digest() for c in CONTRACTS.values() for fe in bucket_frontends(
         CONFIG[fmt](c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit),
         c.num_experts).values()}  # fmt: skip
-    # every bucket of every contract that the bucket applies to (``gemv8``: H <= 2048); gpt-oss-120b
+    # every bucket of every contract that the bucket applies to (the GEMV buckets: H <= 2048); gpt-oss-120b
     # (H = 2880) and nemotron-relu2 (I = 1856) are not multiples of 128, so their buckets are their two
     # fallback kernels
     swap = [c for name, c in CONTRACTS.items() if name not in ("gpt-oss-120b", "nemotron-relu2")]
     per_contract = [sum(b.applies_to(fmt, c.hidden_size) for b in BUCKETS) for c in swap]
     assert len(keys) == len(want) == sum(per_contract) + 2 * len(FALLBACKS)
-    assert sorted(per_contract) == sorted(len(BUCKETS) - (c.hidden_size > 2048) for c in swap)
+    assert sorted(per_contract) == sorted(len(BUCKETS) - 2 * (c.hidden_size > 2048) for c in swap)
     for name, c in CONTRACTS.items():
         cfg = CONFIG[fmt](c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit)
         for fe in bucket_frontends(cfg, c.num_experts).values():
@@ -879,7 +885,7 @@ def test_ep_buckets_follow_the_global_tokens() -> None:
     (every bucket is reachable: none serves fewer tokens than a world of ranks forwards), without the
     split-K bucket (a world-size-1 knob: at world size > 1 it would repeat ``sparse16``) and the GEMV
     bucket (a world-size-1 kernel)."""
-    split_free = [b.name for b in BUCKETS if b.name not in ("split16", "gemv8")]
+    split_free = [b.name for b in BUCKETS if b.name not in ("split16", "gemv8k8", "gemv8")]
     assert [b.name for b in ep_buckets(2)] == [b.name for b in ep_buckets(1)] == split_free
     cases = ((0, 2, "sparse16"), (1, 2, "sparse16"), (4, 2, "sparse16"), (5, 2, "swap16"), (64, 2, "swap16"),
              (65, 2, "swap32"), (64, 4, "swap32"), (1000, 2, "swap128"))  # fmt: skip

@@ -435,7 +435,7 @@ def test_zero_tokens(fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("t", [1, 100, 800])  # qwen3-30b-a3b: the gemv8, the swap16 and the swap128 bucket
+@pytest.mark.parametrize("t", [1, 2, 100, 800])  # qwen3-30b-a3b: the gemv8k8, gemv8, swap16 and swap128 buckets
 def test_cuda_graph_replay_equals_eager(fmt: str, t: int) -> None:
     _graph_replay_equals_eager(f"{fmt}-qwen3-30b-a3b", t)
 

@@ -357,23 +357,39 @@ class TokenBucket:
 #:   buckets at T = 4-16 (1.13-1.66x MXFP8, 1.21-1.79x NVFP4 their time). Session 39 read those ratios the wrong
 #:   way round and put both into ``gemv8`` (up to one pair per expert); session 40's decode bench in graphs of 8
 #:   layers showed the loss (H100, T = 16: MXFP8 263 us, NVFP4 170 us a layer) and restored this bucket.
+#: - ``gemv8k8``: ``gemv8`` with FC1 over 8 GEMV warps per CTA (``gemv_fc1_k_warps``, drop v53; FC2 keeps 4) at
+#:   1/16 pair per expert (qwen3-30b-a3b T = 1). At T = 1 FC1's GEMV is a chain of memory round trips (session 40's
+#:   kernel timeline: 13.5 us for NVFP4's 14 MB and MXFP8's 26 MB alike); twice the warps halve each warp's K units.
+#:   Session 40, H100, the decode bench in CUDA graphs of 8 layers, three runs: NVFP4 T = 1 20.45-20.61 -> 18.57-18.63
+#:   us a layer (9-10 % faster), MXFP8 24.66-24.90 -> 23.76-23.84 us (3-5 %); at T = 2 1-2 % slower in both formats,
+#:   so not in ``gemv8``. (A one-layer-graph ``drop_ab`` gave NVFP4 2.7 % faster, MXFP8 5.6 % slower at T = 1; the
+#:   bench's graphs of 8 layers on distinct weights are how an engine decodes.) FC1 over 16 warps: 13-34 % slower.
 _EARLY = {"fc2_early_weights": True, "gather_early_rows": True}
 _GATHER = {"swap_ab": True, "gather_in_fc1": True, **_EARLY}
 _NARROW = {"swap_narrow": True}
 _SPARSE16 = {"tile_m": 16, "swap_ab": True, "swap_atoms": 2, **_EARLY, "fc1_early_weights": True}
+_GEMV8 = {
+    "tile_m": 8,
+    "swap_ab": True,
+    "gemv": True,
+    "gemv_k_warps": 4,
+    "gemv_stages": 2,
+    "fc2_early_weights": True,
+    "pair_blocks": True,
+    "pair_combine": True,
+}
 BUCKETS = (
     TokenBucket(
+        "gemv8k8",
+        {**_GEMV8, "gemv_fc1_k_warps": 8},
+        max_pairs_per_expert=0.0625,
+        fallback="decode",
+        formats=("mxfp8", "nvfp4"),
+        max_hidden=2048,
+    ),
+    TokenBucket(
         "gemv8",
-        {
-            "tile_m": 8,
-            "swap_ab": True,
-            "gemv": True,
-            "gemv_k_warps": 4,
-            "gemv_stages": 2,
-            "fc2_early_weights": True,
-            "pair_blocks": True,
-            "pair_combine": True,
-        },
+        _GEMV8,
         max_pairs_per_expert=0.125,
         fallback="decode",
         formats=("mxfp8", "nvfp4"),
