@@ -14,7 +14,11 @@ on its own layout (and an exact change still gives bitwise equal outputs). Then,
 on the same inputs (``bitwise`` or the largest difference), and the median ms of each, timed
 interleaved in rounds over rotating inputs so that clock drift reaches both alike (``--graph``: each
 call replayed from a CUDA graph, the GPU's time without the host's launch path). World size 1;
-random weights and inputs, never zeros. GPU machine:
+random weights and inputs, never zeros. The table's ``other/ours`` is the other layer's time over ours: above 1
+the other is slower. ``--graph`` replays one layer a graph, so part of its weights can stay in L2 from one replay
+to the next; for a decode decision confirm with the bench's graphs of 8 layers on distinct weights, one backend
+twice in one run (``bench --backend X X --knobs '[null, {...}]' --graph-layers 8``): in session 40 the two
+disagreed once (MXFP8 qwen3-30b-a3b T = 1). GPU machine:
 
     here:  git worktree add /tmp/old <rev> && (cd /tmp/old && CUTE_DSL_ARCH=sm_90a python -m flashinfer.moe_ep
            build --backend ... --contract ... --cache /work/main/.kcache-old)   (and this drop's cache)
