@@ -79,6 +79,11 @@ GEMV_KNOBS = {
 #: the GEMV's pair chain without its combine (``QuantKnobs.pair_blocks``): FC1 is the layer's first kernel, so
 #: no early FC1 weights and no gather to start early
 PAIR_KNOBS = {"tile_m": 8, "swap_ab": True, "gemv": True, "fc2_early_weights": True, "pair_blocks": True}
+_Q30 = CONTRACTS["qwen3-30b-a3b"]
+#: the qwen3-30b-a3b layer's geometry (its decode buckets: the GEMVs' pair chain)
+QWEN3_30B = {"hidden_size": _Q30.hidden_size, "intermediate_size": _Q30.intermediate_size,
+             "num_experts": _Q30.num_experts, "top_k": _Q30.top_k, "activation": _Q30.activation,
+             "activation_limit": _Q30.activation_limit}  # fmt: skip
 #: (name, fmt, geometry) of every variant these tests run; the GPU session script prebuilds them
 #: (the NVFP4 scales are runtime tensors: they do not change the compiled kernel).
 GPU_VARIANTS = [
@@ -86,10 +91,7 @@ GPU_VARIANTS = [
      {**SMALL, "activation": act, "activation_limit": lim})
     for fmt in FORMATS for act, lim in ACTIVATIONS
 ] + [
-    (f"{fmt}-{name}", fmt, {"hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
-                            "num_experts": c.num_experts, "top_k": c.top_k, "activation": c.activation,
-                            "activation_limit": c.activation_limit})
-    for fmt in FORMATS for name, c in CONTRACTS.items() if name == "qwen3-30b-a3b"
+    (f"{fmt}-qwen3-30b-a3b", fmt, QWEN3_30B) for fmt in FORMATS
 ] + [
     # decode tiles: 64 MMA rows, the second consumer warpgroup converting only
     (f"{fmt}-small-swiglu-m64", fmt, {**SMALL, "activation": "swiglu", "activation_limit": None,
@@ -238,18 +240,13 @@ GPU_VARIANTS = [
                                                "knobs": {**PAIR_KNOBS, "pair_combine": True}})
     for fmt in FORMATS
 ] + [
-    (f"{fmt}-qwen3-30b-a3b-pairs-combine", fmt, {"hidden_size": 2048, "intermediate_size": 768, "num_experts": 128,
-                                                 "top_k": 8, "activation": "swiglu", "activation_limit": None,
-                                                 "knobs": {**PAIR_KNOBS, "pair_combine": True}})
+    (f"{fmt}-qwen3-30b-a3b-pairs-combine", fmt, {**QWEN3_30B, "knobs": {**PAIR_KNOBS, "pair_combine": True}})
     for fmt in FORMATS
 ] + [
     # the GEMVs' bulk L2 prefetches (gemv_l2_prefetch, drop v52): the pair chain of qwen3-30b-a3b (FC1 after its
     # wait, FC2 before it) and the routed GEMV with 2 K warps (8 and more K units a warp: the prefetch loop)
-    (f"{fmt}-qwen3-30b-a3b-pairs-combine-l2pf", fmt, {"hidden_size": 2048, "intermediate_size": 768,
-                                                      "num_experts": 128, "top_k": 8, "activation": "swiglu",
-                                                      "activation_limit": None,
-                                                      "knobs": {**PAIR_KNOBS, "pair_combine": True,
-                                                                "gemv_l2_prefetch": True}})
+    (f"{fmt}-qwen3-30b-a3b-pairs-combine-l2pf", fmt, {**QWEN3_30B, "knobs": {**PAIR_KNOBS, "pair_combine": True,
+                                                                           "gemv_l2_prefetch": True}})
     for fmt in FORMATS
 ] + [
     (f"{fmt}-small1024-swiglu-gemv-k2-l2pf", fmt, {**SMALL, "hidden_size": 1024, "intermediate_size": 512,
@@ -260,11 +257,8 @@ GPU_VARIANTS = [
 ] + [
     # FC1's own GEMV warp count (gemv_fc1_k_warps, drop v53): the qwen3-30b-a3b pair chain with FC1 over 8 warps
     # (FC2 keeps 4), and the routed GEMV with FC1 over 8 warps and FC2 over 2 (H 1024: one or two K units a warp)
-    (f"{fmt}-qwen3-30b-a3b-pairs-combine-fc1k8", fmt, {"hidden_size": 2048, "intermediate_size": 768,
-                                                       "num_experts": 128, "top_k": 8, "activation": "swiglu",
-                                                       "activation_limit": None,
-                                                       "knobs": {**PAIR_KNOBS, "pair_combine": True,
-                                                                 "gemv_fc1_k_warps": 8}})
+    (f"{fmt}-qwen3-30b-a3b-pairs-combine-fc1k8", fmt, {**QWEN3_30B, "knobs": {**PAIR_KNOBS, "pair_combine": True,
+                                                                            "gemv_fc1_k_warps": 8}})
     for fmt in FORMATS
 ] + [
     (f"{fmt}-small1024-swiglu-gemv-fc1k8-k2", fmt, {**SMALL, "hidden_size": 1024, "intermediate_size": 512,
