@@ -266,6 +266,10 @@ GPU_VARIANTS = [
                                                      "knobs": {**GEMV_KNOBS, "gemv_k_warps": 2,
                                                                "gemv_fc1_k_warps": 8}})
     for fmt in FORMATS
+] + [
+    # MXFP8's gemv8k8 (session 41): FC2 over 8 warps as well
+    ("mxfp8-qwen3-30b-a3b-pairs-combine-fc1k8-k8", "mxfp8",
+     {**QWEN3_30B, "knobs": {**PAIR_KNOBS, "pair_combine": True, "gemv_fc1_k_warps": 8, "gemv_k_warps": 8}}),
 ]  # fmt: skip
 
 

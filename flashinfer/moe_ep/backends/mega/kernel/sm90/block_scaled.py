@@ -364,6 +364,10 @@ class TokenBucket:
 #:   us a layer (9-10 % faster), MXFP8 24.66-24.90 -> 23.76-23.84 us (3-5 %); at T = 2 1-2 % slower in both formats,
 #:   so not in ``gemv8``. (A one-layer-graph ``drop_ab`` gave NVFP4 2.7 % faster, MXFP8 5.6 % slower at T = 1; the
 #:   bench's graphs of 8 layers on distinct weights are how an engine decodes.) FC1 over 16 warps: 13-34 % slower.
+#:   Session 41 (H100, the same bench, four runs in two calls): MXFP8's FC2 over 8 warps too (``gemv_k_warps`` 8: each
+#:   warp 1-2 of FC2's 12 K units instead of 3, so one DRAM round trip after FC1 instead of two) 22.2-22.9 -> 20.0-20.4
+#:   us a layer (9-13 % faster); NVFP4's (6 K units) 13-16 % slower (its bigger FC2 CTAs start later beside FC1's), so
+#:   MXFP8 only. At T = 2 (``gemv8``) MXFP8's FC2 over 8 warps was 4-5 % slower.
 _EARLY = {"fc2_early_weights": True, "gather_early_rows": True}
 _GATHER = {"swap_ab": True, "gather_in_fc1": True, **_EARLY}
 _NARROW = {"swap_narrow": True}
@@ -384,6 +388,7 @@ BUCKETS = (
         {**_GEMV8, "gemv_fc1_k_warps": 8},
         max_pairs_per_expert=0.0625,
         fallback="decode",
+        format_knobs={"mxfp8": {"gemv_k_warps": 8}},
         formats=("mxfp8", "nvfp4"),
         max_hidden=2048,
     ),
