@@ -366,7 +366,7 @@ class TokenBucket:
 #:   bench's graphs of 8 layers on distinct weights are how an engine decodes.) FC1 over 16 warps: 13-34 % slower.
 #:   Session 41 (H100, the same bench, four runs in two calls): MXFP8's FC2 over 8 warps too (``gemv_k_warps`` 8: each
 #:   warp 1-2 of FC2's 12 K units instead of 3, so one DRAM round trip after FC1 instead of two) 22.2-22.9 -> 20.0-20.4
-#:   us a layer (9-13 % faster); NVFP4's (6 K units) 13-16 % slower (its bigger FC2 CTAs start later beside FC1's), so
+#:   us a layer (8-13 % faster); NVFP4's (6 K units) 13-16 % slower (its bigger FC2 CTAs start later beside FC1's), so
 #:   MXFP8 only. At T = 2 (``gemv8``) MXFP8's FC2 over 8 warps was 4-5 % slower.
 _EARLY = {"fc2_early_weights": True, "gather_early_rows": True}
 _GATHER = {"swap_ab": True, "gather_in_fc1": True, **_EARLY}
