@@ -139,6 +139,7 @@ SRC_SYMBOLS: dict[str, SrcSymbol] = {
             "swap_tma_store",
             "gemv_l2_prefetch",
             "gemv_fc1_k_warps",
+            "gemv_early_ring",
         ),
         call_params=QUANT_KERNEL_CALL,
     ),

@@ -63,6 +63,8 @@ class QuantKnobs:
     ``gemv_fc1_k_warps`` (with ``gemv``; drop v53; None: ``gemv_k_warps``): FC1's warps per GEMV CTA alone, so
     FC1's K chain (H / unit units per CTA, each warp one ``cp.async`` round trip per unit) can be split over more
     warps while FC2's CTAs keep their size and occupancy.
+    ``gemv_early_ring`` (with ``gemv`` and ``fc2_early_weights``; drop v54): FC2's GEMV copies its whole ring's
+    weights before it waits for FC1 (every stage, not all but the last); the results do not change.
     ``gemv_l2_prefetch`` (with ``gemv``; drop v52; off: 8-14 % slower in ``gemv8``, TUNING.md session 40): every GEMV
     warp requests its later K units' weight rows and scales into L2 with bulk prefetches once it knows its
     expert (FC2 with ``fc2_early_weights`` before it waits for FC1), so the slice streams from DRAM at once;
@@ -95,6 +97,7 @@ class QuantKnobs:
     gemv_stages: int = 2
     gemv_fc1_k_warps: int | None = None
     gemv_l2_prefetch: bool = False
+    gemv_early_ring: bool = False
     pair_blocks: bool = False
     pair_combine: bool = False
 
@@ -264,6 +267,8 @@ class QuantFrontend(KernelFrontend):
             raise ValueError("gemv_fc1_k_warps needs gemv=True (FC1's GEMV warps)")
         if k.pair_blocks and not k.gemv:
             raise ValueError("pair_blocks needs gemv=True (the GEMV's pair chain)")
+        if k.gemv_early_ring and not (k.gemv and k.fc2_early_weights):
+            raise ValueError("gemv_early_ring needs gemv=True and fc2_early_weights=True (FC2's early weight copies)")
         if k.pair_blocks and (k.fc1_early_weights or k.gather_early_rows):
             raise ValueError(
                 "pair_blocks makes FC1 the layer's first kernel (it reads topk_ids after its wait, and there is no "
@@ -306,6 +311,7 @@ class QuantFrontend(KernelFrontend):
             swap_tma_store=k.swap_tma_store,
             gemv_l2_prefetch=k.gemv_l2_prefetch,
             gemv_fc1_k_warps=k.gemv_fc1_k_warps,
+            gemv_early_ring=k.gemv_early_ring,
         )
         return kh.export_moe_quant(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)
 

@@ -207,6 +207,8 @@ def test_config_validation() -> None:
         with pytest.raises(MoEEpConfigError, match=r"gemv_fc1_k_warps=16 with 8-token blocks and gemv_stages=3"):
             bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={**gemv, "gemv_stages": 3, "gemv_fc1_k_warps": 16}), 8)
         bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={**gemv, "gemv_stages": 3, "gemv_fc1_k_warps": 4}), 8)
+        with pytest.raises(MoEEpConfigError, match="gemv_early_ring needs gemv=True and fc2_early_weights=True"):
+            bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={**gemv, "gemv_early_ring": True}), 8)
         with pytest.raises(MoEEpConfigError, match="gemv_l2_prefetch needs gemv=True"):
             bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 16, "swap_ab": True,
                                                                 "gemv_l2_prefetch": True}), 8)  # fmt: skip
@@ -695,6 +697,27 @@ def test_gemv_l2_prefetch_requests_the_later_units(tmp_path: Path, fmt: str) -> 
                 continue
             assert len(at) == 2, (fmt, i, at)
             assert (min(at) > wait) if i == 0 else (max(at) < wait), (fmt, i, at, wait)
+
+
+@pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")
+@pytest.mark.skipif(kernel_resources.find_cuobjdump() is None, reason="needs cuobjdump (pip install .[test])")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gemv_early_ring_copies_the_whole_ring_before_the_wait(tmp_path: Path, fmt: str) -> None:
+    """``gemv_early_ring`` (drop v54) on the pair chain: before its ``griddepcontrol.wait`` (``ACQBULK``) FC2 issues
+    both stages of its 2-deep ring's weight copies (a ``cp.async``, ``LDGSTS``, per weight row's data and per its
+    scales: 16 a stage) instead of one; FC1 (no early weights) is the same kernel with and without the knob."""
+    pair = '"tile_m": 8, "swap_ab": true, "gemv": true, "fc2_early_weights": true, "pair_blocks": true'
+    early, fc1 = [], []
+    for on in (False, True):
+        knobs = f'{{{pair}, "pair_combine": true, "gemv_early_ring": {json.dumps(on)}}}'
+        sass = kernel_resources.kernel_sass(_swap_gemm_lib(tmp_path / str(on), knobs, fmt))
+        gemvs = [sass[name] for name in sass if "GemvDequant" in name]
+        assert len(gemvs) == 2, list(sass)
+        wait = next(j for j, line in enumerate(gemvs[1]) if re.search(r"\bACQBULK\b", line))
+        early.append(sum(1 for line in gemvs[1][:wait] if re.search(r"\bLDGSTS", line)))
+        fc1.append(gemvs[0])
+    assert early == [16, 32], (fmt, early)
+    assert fc1[0] == fc1[1], fmt
 
 
 @pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")

@@ -270,6 +270,23 @@ GPU_VARIANTS = [
     # MXFP8's gemv8k8 (session 41): FC2 over 8 warps as well
     ("mxfp8-qwen3-30b-a3b-pairs-combine-fc1k8-k8", "mxfp8",
      {**QWEN3_30B, "knobs": {**PAIR_KNOBS, "pair_combine": True, "gemv_fc1_k_warps": 8, "gemv_k_warps": 8}}),
+] + [
+    # FC2 copying its whole ring's weights before its wait (gemv_early_ring, drop v54): gemv8k8's knobs (MXFP8's FC2
+    # over 8 warps: 1-2 K units a warp; NVFP4's over 4: 1-2) and a 1024-wide layer with 2 K warps and a 3-stage
+    # ring (FC2's 4-8 units a warp: three before the wait, the rest in the loop)
+    (f"{fmt}-qwen3-30b-a3b-pairs-combine-fc1k8{'-k8' if fmt == 'mxfp8' else ''}-ring", fmt,
+     {**QWEN3_30B, "knobs": {**PAIR_KNOBS, "pair_combine": True, "gemv_fc1_k_warps": 8,
+                             "gemv_k_warps": 8 if fmt == "mxfp8" else 4, "gemv_early_ring": True}})
+    for fmt in FORMATS
+] + [
+    # gemv8's knobs with it (MXFP8 T = 2 on the H200, session 41: 4-5 % faster; not yet a default)
+    ("mxfp8-qwen3-30b-a3b-pairs-combine-ring", "mxfp8",
+     {**QWEN3_30B, "knobs": {**PAIR_KNOBS, "pair_combine": True, "gemv_early_ring": True}}),
+] + [
+    (f"{fmt}-small1024-swiglu-pairs-combine-k2s3-ring", fmt,
+     {**SMALL, "hidden_size": 1024, "intermediate_size": 512, "activation": "swiglu", "activation_limit": None,
+      "knobs": {**PAIR_KNOBS, "pair_combine": True, "gemv_k_warps": 2, "gemv_stages": 3, "gemv_early_ring": True}})
+    for fmt in FORMATS
 ]  # fmt: skip
 
 

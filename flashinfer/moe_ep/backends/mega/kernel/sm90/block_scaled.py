@@ -368,6 +368,9 @@ class TokenBucket:
 #:   warp 1-2 of FC2's 12 K units instead of 3, so one DRAM round trip after FC1 instead of two) 22.2-22.9 -> 20.0-20.4
 #:   us a layer (8-13 % faster); NVFP4's (6 K units) 13-16 % slower (its bigger FC2 CTAs start later beside FC1's), so
 #:   MXFP8 only. At T = 2 (``gemv8``) MXFP8's FC2 over 8 warps was 4-5 % slower.
+#: - ``gemv_early_ring`` (drop v54: FC2's GEMV copies its whole ring's weights before its wait) is off: session 41
+#:   (H200, the same bench, two runs) measured MXFP8 ``gemv8`` at T = 2 4-5 % faster with it, T = 1 and NVFP4
+#:   unchanged or up to 3 % slower; that kernel has not run the GPU tests yet.
 _EARLY = {"fc2_early_weights": True, "gather_early_rows": True}
 _GATHER = {"swap_ab": True, "gather_in_fc1": True, **_EARLY}
 _NARROW = {"swap_narrow": True}
@@ -451,6 +454,7 @@ WORLD1_KNOBS = (
     "gemv_stages",
     "gemv_l2_prefetch",
     "gemv_fc1_k_warps",
+    "gemv_early_ring",
     "pair_blocks",
     "pair_combine",
     "swap_tma_store",

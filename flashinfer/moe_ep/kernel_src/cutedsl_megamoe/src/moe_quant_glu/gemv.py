@@ -37,7 +37,9 @@ qwen3-30b-a3b T = 1, not faster at larger T or on the larger models:
 ``early_w``: the first ``stages - 1`` K units' weight words and scales are copied before
 ``griddepcontrol.wait`` (they join the first unit's ``cp.async`` group)
 (the block map read with ld.relaxed.gpu: the kernel before must trigger its dependents after its own
-wait, as for ``swap_gemm``'s ``early_w``).
+wait, as for ``swap_gemm``'s ``early_w``). ``early_ring``: every stage's, the first ``stages`` units (a warp
+of at most ``stages`` units then has all of its weights in flight before the wait); the K loop's first step
+then copies only its unit's token chunks, the weights having joined the first group too.
 
 ``l2_prefetch``: as soon as the CTA knows its expert (with ``early_w`` before ``griddepcontrol.wait``,
 otherwise right after it), the lanes of every warp issue one bulk L2 prefetch
@@ -102,9 +104,13 @@ class GemvDequantSm90(SwapDequantGemmSm90):
         prequantized: bool = False,
         pair_combine: bool = False,
         l2_prefetch: bool = False,
+        early_ring: bool = False,
     ) -> None:
         super().__init__(fmt, 16, epilogue, limit, 1, requant=requant, gscale_index=gscale_index)
         self.l2_prefetch = l2_prefetch
+        if early_ring and not early_w:
+            raise ValueError("early_ring needs early_w (it widens the weight copies made before the wait)")
+        self.early_ring = early_ring
         if (gather_x or pair_combine) and not pair_blocks:
             raise ValueError("gather_x and pair_combine need pair_blocks")
         if gather_x and early_w:
@@ -265,7 +271,7 @@ class GemvDequantSm90(SwapDequantGemmSm90):
                 else:
                     entry_ptr = (m_block_expert.iterator + m_blk).llvm_ptr
                 e_early = cute.arch.load(entry_ptr, Int32, sem="relaxed", scope="gpu") & 0xFFFF
-            for j in cutlass.range_constexpr(self.stages - 1):
+            for j in cutlass.range_constexpr(self.stages if self.early_ring else self.stages - 1):
                 pre = ring_base + j * self.stage_bytes
                 self._copy_weights(pre, mW, mS, e_early, warp + j * kw, j < mine, k_tiles, n_rows, offsets, lane)
             if cutlass.const_expr(self.l2_prefetch):
@@ -301,7 +307,15 @@ class GemvDequantSm90(SwapDequantGemmSm90):
             for i in cutlass.range(mine, unroll=1):
                 nxt = i + self.stages - 1
                 fill = ring_base + (nxt % self.stages) * self.stage_bytes  # unit i - 1's, consumed
-                self._copy_weights(fill, mW, mS, expert, warp + nxt * kw, nxt < mine, k_tiles, n_rows, offsets, lane)
+                if cutlass.const_expr(self.early_ring):
+                    if i > 0:  # step 0's weights were copied before the wait
+                        self._copy_weights(
+                            fill, mW, mS, expert, warp + nxt * kw, nxt < mine, k_tiles, n_rows, offsets, lane
+                        )
+                else:
+                    self._copy_weights(
+                        fill, mW, mS, expert, warp + nxt * kw, nxt < mine, k_tiles, n_rows, offsets, lane
+                    )
                 if cutlass.const_expr(not self.gather_x):
                     self._copy_tokens(fill, mA, m_blk, valid_rows, warp + nxt * kw, nxt < mine, lane)
                 cp_async_commit()

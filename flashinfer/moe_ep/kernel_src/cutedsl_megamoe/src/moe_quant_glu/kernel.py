@@ -103,6 +103,9 @@ class Sm90MegaMoEQuantKernel:
         units into L2 with bulk prefetches as soon as it knows its expert (``GemvDequantSm90(l2_prefetch=True)``;
         FC2 with ``fc2_early_weights`` before its wait). Off by default: 8-14 % slower in the qwen3-30b-a3b pair
         chain at T = 1-2 (TUNING.md, sessions 39-40).
+    :param gemv_early_ring: (``gemv`` with ``fc2_early_weights``) FC2's GEMV copies every stage of its ring's weights
+        before its wait, not all but the last (``GemvDequantSm90(early_ring=True)``): a warp of at most
+        ``gemv_stages`` K units then waits for no weight copy after FC1. The same copies and products.
     :param pair_blocks: (``gemv`` only) no routing and no gather kernel: M block b of both GEMVs is pair b of
         ``topk_ids`` (its expert, one real token column), and FC1 quantizes its token's row itself after its
         wait (``GemvDequantSm90(gather_x=True)``: the gather's functions, so the same values). Meant for one
@@ -152,6 +155,7 @@ class Sm90MegaMoEQuantKernel:
         swap_tma_store: bool = False,
         gemv_l2_prefetch: bool = False,
         gemv_fc1_k_warps: int | None = None,
+        gemv_early_ring: bool = False,
     ) -> None:
         if swap_narrow and not swap_ab:
             raise ValueError("swap_narrow needs the swap-AB GEMMs (swap_ab=True)")
@@ -165,6 +169,8 @@ class Sm90MegaMoEQuantKernel:
             raise ValueError("gemv_l2_prefetch needs the GEMV (gemv=True)")
         if gemv_fc1_k_warps is not None and not gemv:
             raise ValueError("gemv_fc1_k_warps needs the GEMV (gemv=True)")
+        if gemv_early_ring and not (gemv and fc2_early_weights):
+            raise ValueError("gemv_early_ring needs the GEMV's early weights (gemv=True, fc2_early_weights=True)")
         self.pair_blocks = pair_blocks
         self.pair_combine = pair_combine
         if gemv and not (swap_ab and tile_m in GEMV_TOKEN_TILES and not gather_in_fc1 and swap_split_k == 1):
@@ -207,7 +213,7 @@ class Sm90MegaMoEQuantKernel:
             fmt, tile_m, fc1_tile_n, fc2_tile_n, activation, limit, num_sms, fc1_stages, fc2_stages, swap_ab, swap_wg,
             probe, bf_buffers, swap_atoms, swap_stagger, gather_in_fc1, swap_split_k, fc2_early_weights,
             fc1_early_weights, gemv, gemv_k_warps, gemv_stages, pair_blocks, prequantized, pair_combine, swap_narrow,
-            swap_tma_store, gemv_l2_prefetch, gemv_fc1_k_warps,
+            swap_tma_store, gemv_l2_prefetch, gemv_fc1_k_warps, gemv_early_ring,
         )  # fmt: skip
 
     @cute.jit
@@ -338,6 +344,7 @@ def quant_gemms(
     swap_tma_store: bool = False,
     gemv_l2_prefetch: bool = False,
     gemv_fc1_k_warps: int | None = None,
+    gemv_early_ring: bool = False,
 ) -> tuple:
     """FC1 (the activation and the requantization to the FC2 input format in its epilogue) and FC2 of the
     block-scaled kernels (world size 1 and EP): the swap-AB GEMMs (weights dequantized in registers,
@@ -351,7 +358,8 @@ def quant_gemms(
     GEMMs' narrower WGMMAs for tiles of few real tokens (``SwapDequantGemmSm90(narrow=True)``); ``swap_tma_store``:
     the swap-AB FC2's epilogue through shared memory and TMA stores (``SwapDequantGemmSm90(tma_store=True)``);
     ``gemv_l2_prefetch``: the GEMVs' bulk L2 prefetches of their later K units
-    (``GemvDequantSm90(l2_prefetch=True)``); ``gemv_fc1_k_warps``: FC1's GEMV warps (None: ``gemv_k_warps``)."""
+    (``GemvDequantSm90(l2_prefetch=True)``); ``gemv_fc1_k_warps``: FC1's GEMV warps (None: ``gemv_k_warps``);
+    ``gemv_early_ring``: FC2's GEMV copies its whole ring's weights before its wait."""
     if gemv:
         fc1_k_warps = gemv_k_warps if gemv_fc1_k_warps is None else gemv_fc1_k_warps
         fc1 = GemvDequantSm90(fmt, tile_m, activation, limit, requant=True, k_warps=fc1_k_warps,
@@ -360,7 +368,8 @@ def quant_gemms(
                               prequantized=prequantized, l2_prefetch=gemv_l2_prefetch)  # fmt: skip
         fc2 = GemvDequantSm90(fmt, tile_m, "plain", None, gscale_index=1, k_warps=gemv_k_warps,
                               early_w=fc2_early_weights, stages=gemv_stages, pair_blocks=pair_blocks,
-                              pair_combine=pair_combine, l2_prefetch=gemv_l2_prefetch)  # fmt: skip
+                              pair_combine=pair_combine, l2_prefetch=gemv_l2_prefetch,
+                              early_ring=gemv_early_ring)  # fmt: skip
         return fc1, fc2
     if swap_ab:
         swap = {"max_wg": swap_wg, "max_atoms": swap_atoms, "stagger": swap_stagger, "split_k": swap_split_k,
