@@ -583,6 +583,17 @@ def _swap_gemm_lib(cache: Path, knobs: str, fmt: str = "nvfp4", shape: tuple[str
     return lib
 
 
+def _pair_chain_gemv_sass(cache: Path, knob: str, value: bool, fmt: str) -> list[list[str]]:
+    """The SASS of the tiny layer's two GEMVs (FC1, FC2) in the pair chain with the combine, ``knob`` set to
+    ``value``."""
+    pair = '"tile_m": 8, "swap_ab": true, "gemv": true, "fc2_early_weights": true, "pair_blocks": true'
+    knobs = f'{{{pair}, "pair_combine": true, "{knob}": {json.dumps(value)}}}'
+    sass = kernel_resources.kernel_sass(_swap_gemm_lib(cache / str(value), knobs, fmt))
+    gemvs = [sass[name] for name in sass if "GemvDequant" in name]
+    assert len(gemvs) == 2, list(sass)
+    return gemvs
+
+
 def _swap_gemm_sass(cache: Path, knobs: str, fmt: str = "nvfp4") -> list[list[str]]:
     """The SASS of the two swap-AB GEMMs of the tiny layer with ``knobs`` (JSON)."""
     sass = kernel_resources.kernel_sass(_swap_gemm_lib(cache, knobs, fmt))
@@ -683,13 +694,8 @@ def test_gemv_l2_prefetch_requests_the_later_units(tmp_path: Path, fmt: str) -> 
     weight rows and one of their scales per item, ``UBLKPF.L2``); FC1, the layer's first kernel, after its
     ``griddepcontrol.wait`` (``ACQBULK``: it learns its expert from ``topk_ids`` only then), FC2 (early weights)
     before it. Without the knob neither GEMV has one."""
-    pair = '"tile_m": 8, "swap_ab": true, "gemv": true, "fc2_early_weights": true, "pair_blocks": true'
     for on in (False, True):
-        knobs = f'{{{pair}, "pair_combine": true, "gemv_l2_prefetch": {json.dumps(on)}}}'
-        sass = kernel_resources.kernel_sass(_swap_gemm_lib(tmp_path / str(on), knobs, fmt))
-        gemvs = [sass[name] for name in sass if "GemvDequant" in name]
-        assert len(gemvs) == 2, list(sass)
-        for i, code in enumerate(gemvs):
+        for i, code in enumerate(_pair_chain_gemv_sass(tmp_path, "gemv_l2_prefetch", on, fmt)):
             at = [j for j, line in enumerate(code) if re.search(r"\bUBLKPF\.L2\b", line)]
             wait = next(j for j, line in enumerate(code) if re.search(r"\bACQBULK\b", line))
             if not on:
@@ -706,13 +712,9 @@ def test_gemv_early_ring_copies_the_whole_ring_before_the_wait(tmp_path: Path, f
     """``gemv_early_ring`` (drop v54) on the pair chain: before its ``griddepcontrol.wait`` (``ACQBULK``) FC2 issues
     both stages of its 2-deep ring's weight copies (a ``cp.async``, ``LDGSTS``, per weight row's data and per its
     scales: 16 a stage) instead of one; FC1 (no early weights) is the same kernel with and without the knob."""
-    pair = '"tile_m": 8, "swap_ab": true, "gemv": true, "fc2_early_weights": true, "pair_blocks": true'
     early, fc1 = [], []
     for on in (False, True):
-        knobs = f'{{{pair}, "pair_combine": true, "gemv_early_ring": {json.dumps(on)}}}'
-        sass = kernel_resources.kernel_sass(_swap_gemm_lib(tmp_path / str(on), knobs, fmt))
-        gemvs = [sass[name] for name in sass if "GemvDequant" in name]
-        assert len(gemvs) == 2, list(sass)
+        gemvs = _pair_chain_gemv_sass(tmp_path, "gemv_early_ring", on, fmt)
         wait = next(j for j, line in enumerate(gemvs[1]) if re.search(r"\bACQBULK\b", line))
         early.append(sum(1 for line in gemvs[1][:wait] if re.search(r"\bLDGSTS", line)))
         fc1.append(gemvs[0])
