@@ -237,8 +237,9 @@ def test_config_validation() -> None:
 def test_buckets_share_the_weight_layout(fmt: str) -> None:
     fes = bucket_frontends(CONFIG[fmt](256, 128, 8, 2), 8)
     layout = make_frontend(CONFIG[fmt](256, 128, 8, 2), 8)
-    assert list(fes) == [b.name for b in BUCKETS]
-    for b in BUCKETS:
+    mine = [b for b in BUCKETS if b.applies_to(fmt, 256)]  # gemv8r: MXFP8 only
+    assert list(fes) == [b.name for b in mine] and ("gemv8r" in fes) == (fmt == "mxfp8")
+    for b in mine:
         k, bk = fes[b.name].knobs, b.knobs_for(fmt)
         assert k.swap_ab and k.tile_m == bk["tile_m"] and k.swap_wg == bk.get("swap_wg", 2)
         assert k.swap_atoms == bk.get("swap_atoms", 4) and k.swap_stagger == bk.get("swap_stagger", 0)
@@ -246,22 +247,24 @@ def test_buckets_share_the_weight_layout(fmt: str) -> None:
         assert k.swap_split_k == bk.get("swap_split_k", 1)
         # early weight loads: FC2's in every swap-AB bucket, FC1's where the gather kernel precedes it at T <= 2
         assert k.fc2_early_weights and k.fc1_early_weights == (b.name in ("split16", "sparse16"))
-        gemv = b.name in ("gemv8k8", "gemv8")
+        gemv = b.name in ("gemv8k8", "gemv8", "gemv8r")
         assert k.gemv == gemv and k.gemv_k_warps == bk.get("gemv_k_warps", 4)
-        assert k.gemv_fc1_k_warps == (8 if b.name == "gemv8k8" else None)
-        # the pair chain (the GEMV buckets: no routing, gather or combine kernel) and elsewhere the gather, which
-        # quantizes its first items before it waits for the routing
-        paired = gemv
+        assert k.gemv_fc1_k_warps == (8 if b.name in ("gemv8k8", "gemv8r") else None)
+        # FC2's whole ring before its wait: MXFP8's gemv8 and gemv8r (session 42)
+        assert k.gemv_early_ring == (b.name == "gemv8r" or (b.name, fmt) == ("gemv8", "mxfp8"))
+        # the pair chain (the GEMV buckets but the routed one: no routing, gather or combine kernel) and elsewhere
+        # the gather, which quantizes its first items before it waits for the routing
+        paired = gemv and b.name != "gemv8r"
         assert k.pair_blocks == k.pair_combine == paired and k.gather_early_rows == (not paired)
         assert k.fc1_tile_n == layout.knobs.fc1_tile_n  # one packed layout
     assert len({fe.key.digest() for fe in fes.values()}) == len(fes)
-    gathering = {b.name for b in BUCKETS if fes[b.name].knobs.gather_in_fc1}
+    gathering = {b for b, fe in fes.items() if fe.knobs.gather_in_fc1}
     assert gathering == ({"swap32", "swap128"} if fmt == "mxfp8" else {"swap32", "swap64", "swap128"})
-    four = {b.name for b in BUCKETS if fes[b.name].knobs.swap_wg == 4}  # NVFP4 swap16: four consumer warpgroups
+    four = {b for b, fe in fes.items() if fe.knobs.swap_wg == 4}  # NVFP4 swap16: four consumer warpgroups
     assert four == (set() if fmt == "mxfp8" else {"swap16"})
     assert fes["swap16"].knobs.swap_atoms == (4 if fmt == "mxfp8" else 2)
-    assert {b.name for b in BUCKETS if fes[b.name].knobs.swap_split_k > 1} == {"split16"}
-    staged = {b.name for b in BUCKETS if fes[b.name].knobs.swap_tma_store}  # FC2 through TMA stores (session 38)
+    assert {b for b, fe in fes.items() if fe.knobs.swap_split_k > 1} == {"split16"}
+    staged = {b for b, fe in fes.items() if fe.knobs.swap_tma_store}  # FC2 through TMA stores (session 38)
     assert staged == (set() if fmt == "mxfp8" else {"swap128"})
     assert fes["split16"].knobs == dataclasses.replace(fes["sparse16"].knobs, swap_split_k=2)
     explicit = bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 128}), 8)
@@ -362,12 +365,60 @@ def test_gemv8_serves_its_formats_pairs_and_hidden_sizes(fmt: str) -> None:
                 # every T the bucket serves fits one pair chain launch (T * top_k <= num_experts)
                 assert fes[b].pair_blocks_max_tokens >= last
             assert fes["gemv8k8"].knobs == dataclasses.replace(fes["gemv8"].knobs, gemv_fc1_k_warps=8,
-                                                               gemv_k_warps=8 if fmt == "mxfp8" else 4)  # fmt: skip
+                                                               gemv_k_warps=8 if fmt == "mxfp8" else 4,
+                                                               gemv_early_ring=False)  # fmt: skip
+            assert fes["gemv8"].knobs.gemv_early_ring == (fmt == "mxfp8")  # session 42
         else:
             assert not set(gemvs) & (set(picks) | set(fes)), (name, picks)  # no kernel built for them
         assert not set(gemvs) & {token_bucket(t, c.top_k, c.num_experts, fmt, fes) for t in range(1, 10)}
         assert not set(gemvs) & set(bucket_frontends(cfg, c.num_experts // 2, EpPlacement(2)))
     assert not set(gemvs) & {b.name for b in ep_buckets(2)}
+
+
+def test_routed_gemv_serves_mxfp8_from_one_eighth_to_one_pair_per_expert() -> None:
+    """``gemv8r`` (session 42): MXFP8's routed GEMV (FC1 over 8 warps, FC2's early ring, the routing, gather and
+    combine kernels around it) past ``gemv8`` up to one pair per expert where H <= 2048 (qwen3-30b-a3b T = 3-16);
+    not NVFP4, not the larger contracts, not an EP layer."""
+    for fmt in FORMATS:
+        for name in ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3"):
+            c = CONTRACTS[name]
+            cfg = CONFIG[fmt](c.hidden_size, c.intermediate_size, c.num_experts, c.top_k)
+            fes = bucket_frontends(cfg, c.num_experts)
+            picks = [token_bucket(t, c.top_k, c.num_experts, fmt, fes, c.hidden_size) for t in range(1, 40)]
+            one_pair = c.num_experts // c.top_k  # T of one pair per expert
+            if fmt == "mxfp8" and c.hidden_size <= 2048:
+                assert picks[2:one_pair] == ["gemv8r"] * (one_pair - 2) and "gemv8r" not in picks[one_pair:], picks
+                k = fes["gemv8r"].knobs
+                assert k.gemv and k.tile_m == 8 and k.gemv_fc1_k_warps == 8 and k.gemv_k_warps == 4
+                assert k.gemv_early_ring and k.fc2_early_weights and k.gather_early_rows and not k.fc1_early_weights
+                assert not (k.pair_blocks or k.pair_combine or k.gemv_l2_prefetch)
+            else:
+                assert "gemv8r" not in set(picks) | set(fes), (fmt, name, picks)
+    assert "gemv8r" not in {b.name for b in ep_buckets(2)}
+
+
+def test_nvfp4_split16_serves_many_waves_where_k_is_long() -> None:
+    """NVFP4's ``split16`` past 1/8 pair per expert whatever its FC1 waves, up to 1/2, where H >= 4096 (session 42:
+    qwen3-235b-a22b T = 3-8, deepseek-v3 T = 5-16); at and below 1/8 the one-wave rule as before (qwen3-235b-a22b
+    T = 2, deepseek-v3 T = 2-4: ``swap16``); qwen3-30b-a3b (H = 2048) and MXFP8 keep their buckets."""
+    expect = {
+        "qwen3-235b-a22b": ["sparse16", "swap16"] + ["split16"] * 6 + ["swap16"] * 4,  # T = 1..12
+        "deepseek-v3": ["sparse16"] + ["swap16"] * 3 + ["split16"] * 12 + ["swap16"] * 4,  # T = 1..20
+        "qwen3-30b-a3b": ["gemv8k8", "gemv8"] + ["swap16"] * 10,
+    }
+    for name, want in expect.items():
+        c = CONTRACTS[name]
+        cfg = CONFIG["nvfp4"](c.hidden_size, c.intermediate_size, c.num_experts, c.top_k)
+        fes = bucket_frontends(cfg, c.num_experts)
+        picks = [token_bucket(t, c.top_k, c.num_experts, "nvfp4", fes, c.hidden_size) for t in range(1, len(want) + 1)]
+        assert picks == want, (name, picks)
+        # the rule needs H (a caller without it gets the bounds every format shares) and the swap-AB frontend
+        assert "split16" not in [token_bucket(t, c.top_k, c.num_experts, "nvfp4", fes) for t in range(3, 9)]
+    c = CONTRACTS["qwen3-235b-a22b"]
+    mx = bucket_frontends(CONFIG["mxfp8"](c.hidden_size, c.intermediate_size, c.num_experts, c.top_k), c.num_experts)
+    assert [token_bucket(t, c.top_k, c.num_experts, "mxfp8", mx, c.hidden_size) for t in (3, 8, 9)] == [
+        "sparse16", "sparse16", "swap16"
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -500,7 +551,7 @@ def test_swap_bucket_falls_back_where_the_swap_kernel_does_not_fit(fmt: str) -> 
     128-row tiles above); an explicit request is refused."""
     fes = bucket_frontends(CONFIG[fmt](256, 192, 8, 2), 8)
     assert not any(fe.knobs.swap_ab for fe in fes.values())
-    for b in BUCKETS:
+    for b in (b for b in BUCKETS if b.applies_to(fmt, 256)):
         assert fes[b.name] is fes[BUCKETS[-1].name if b.fallback == "prefill" else "sparse16"]
         assert fes[b.name].knobs.tile_m == FALLBACKS[b.fallback].get("tile_m", 128)
     with pytest.raises(MoEEpConfigError, match="interleaved per 256"):
@@ -560,7 +611,10 @@ def test_build_every_default_variant_for_sm90a(fmt: str, tmp_path: Path, capsys)
     swap = [c for name, c in CONTRACTS.items() if name not in ("gpt-oss-120b", "nemotron-relu2")]
     per_contract = [sum(b.applies_to(fmt, c.hidden_size) for b in BUCKETS) for c in swap]
     assert len(keys) == len(want) == sum(per_contract) + 2 * len(FALLBACKS)
-    assert sorted(per_contract) == sorted(len(BUCKETS) - 2 * (c.hidden_size > 2048) for c in swap)
+    gemvs = sum(b.max_hidden is not None for b in BUCKETS)  # gemv8k8, gemv8 (both formats), gemv8r (MXFP8)
+    mine = sum(b.max_hidden is not None and b.applies_to(fmt, 2048) for b in BUCKETS)
+    assert mine == (3 if fmt == "mxfp8" else 2)
+    assert sorted(per_contract) == sorted(len(BUCKETS) - gemvs + mine * (c.hidden_size <= 2048) for c in swap)
     for name, c in CONTRACTS.items():
         cfg = CONFIG[fmt](c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit)
         for fe in bucket_frontends(cfg, c.num_experts).values():
@@ -913,7 +967,7 @@ def test_ep_buckets_follow_the_global_tokens() -> None:
     (every bucket is reachable: none serves fewer tokens than a world of ranks forwards), without the
     split-K bucket (a world-size-1 knob: at world size > 1 it would repeat ``sparse16``) and the GEMV
     bucket (a world-size-1 kernel)."""
-    split_free = [b.name for b in BUCKETS if b.name not in ("split16", "gemv8k8", "gemv8")]
+    split_free = [b.name for b in BUCKETS if b.name not in ("split16", "gemv8k8", "gemv8", "gemv8r")]
     assert [b.name for b in ep_buckets(2)] == [b.name for b in ep_buckets(1)] == split_free
     cases = ((0, 2, "sparse16"), (1, 2, "sparse16"), (4, 2, "sparse16"), (5, 2, "swap16"), (64, 2, "swap16"),
              (65, 2, "swap32"), (64, 4, "swap32"), (1000, 2, "swap128"))  # fmt: skip

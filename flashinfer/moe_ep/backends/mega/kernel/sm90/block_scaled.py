@@ -214,7 +214,10 @@ class TokenBucket:
     (``min(T * top_k, experts)`` busy experts, of which a rank holds its share; one CTA tile per block
     of rows each), ``fc1_parts`` CTAs per tile (its split K); a bucket of more than one part serves only
     where that split runs: never without its frontend, with a fallback one, or where FC1's K is too
-    short to split (``QuantFrontend.fc1_splits_into``)."""
+    short to split (``QuantFrontend.fc1_splits_into``). ``many_waves`` (per format: pairs per expert p0,
+    H h0): past p0 pairs per expert the format's bucket serves (up to its bound) whatever its FC1 waves,
+    but only where H >= h0 (a long K: its smaller CTAs' fixed cost is paid back) and its swap-AB frontend
+    runs the split."""
 
     name: str
     knobs: dict[str, Any]
@@ -226,6 +229,7 @@ class TokenBucket:
     fc1_parts: int = 1
     formats: tuple[str, ...] | None = None
     max_hidden: int | None = None
+    many_waves: dict[str, tuple[float, int]] = field(default_factory=dict)
 
     def serves(
         self,
@@ -244,6 +248,12 @@ class TokenBucket:
         bound = self.format_max_pairs.get(fmt, self.max_pairs_per_expert)  # fmt None: the shared bound
         if bound is not None and t * top_k > bound * num_experts:
             return False
+        if fmt in self.many_waves and t * top_k > self.many_waves[fmt][0] * num_experts:
+            if hidden is None or hidden < self.many_waves[fmt][1] or frontend is None:
+                return False
+            if frontend.fc1_cta_tiles(1) is None:  # a fallback frontend: no swap-AB split
+                return False
+            return self.fc1_parts == 1 or frontend.fc1_splits_into(self.fc1_parts)
         if fmt not in self.one_wave or frontend is None:
             return self.fc1_parts == 1
         busy = math.ceil(min(t * top_k, num_experts) * frontend.local_experts / num_experts)
@@ -368,9 +378,23 @@ class TokenBucket:
 #:   warp 1-2 of FC2's 12 K units instead of 3, so one DRAM round trip after FC1 instead of two) 22.2-22.9 -> 20.0-20.4
 #:   us a layer (8-13 % faster); NVFP4's (6 K units) 13-16 % slower (its bigger FC2 CTAs start later beside FC1's), so
 #:   MXFP8 only. At T = 2 (``gemv8``) MXFP8's FC2 over 8 warps was 4-5 % slower.
-#: - ``gemv_early_ring`` (drop v54: FC2's GEMV copies its whole ring's weights before its wait) is off: session 41
-#:   (H200, the same bench, two runs) measured MXFP8 ``gemv8`` at T = 2 4-5 % faster with it, T = 1 and NVFP4
-#:   unchanged or up to 3 % slower; that kernel has not run the GPU tests yet.
+#: - ``gemv_early_ring`` (drop v54: FC2's GEMV copies its whole ring's weights before its wait) is on in MXFP8's
+#:   ``gemv8``: the same bench, T = 2, two runs each: H200 (session 41) 4-5 % faster, H100 (session 42) 2 %; at
+#:   T = 1 and for NVFP4 unchanged or up to 3 % slower (session 41), so not there. Its kernel passed the GPU tests
+#:   in session 42.
+#: - ``gemv8r`` (session 42, MXFP8 only): the routed GEMV (routing, gather and combine kernels around it, one
+#:   8-token M block per busy expert instead of a block per pair) with FC1 over 8 warps and FC2's early ring, from
+#:   1/8 to 1 pair per expert where H <= 2048 (qwen3-30b-a3b T = 3-16). The same bench on an H100, four runs
+#:   in two calls, its time over the default buckets' (``split16`` / ``sparse16`` / ``swap16``): T = 3
+#:   0.93-0.94, 4 0.96-0.99, 5 0.96-0.98, 6 1.00-1.02, 8 0.96-0.98, 12 0.92-0.97, 16 0.98-1.00. With FC1's
+#:   early weights too: within 1.5 % of it either way. NVFP4's routed GEMV: 1.20-1.35x the default's time at
+#:   T = 4 and 8 (the swap-AB GEMMs' four converting warpgroups win there), so not NVFP4.
+#: - NVFP4's ``split16`` past 1/8 pair per expert (``many_waves``, session 42) where H >= 4096: the bench in graphs
+#:   of 8 layers (deepseek-v3: 4) on an H100, its time over ``swap16``'s, session 41 / session 42: qwen3-235b-a22b
+#:   T = 3 0.861 / 0.861, T = 4 0.916 / 0.916, T = 6 0.991 / 0.988, T = 8 0.909 / 0.915; deepseek-v3 T = 8 0.994 /
+#:   1.001, T = 16 0.957 / 0.964. Not at H = 2048 (qwen3-30b-a3b T = 3-12: 0.95-1.11, a loss at T = 3-5 and 12) nor
+#:   at 1/8 pair where the one-wave rule says no (qwen3-235b-a22b T = 2: 1.12-1.20; deepseek-v3 T = 4 would
+#:   gain 4 %, not taken).
 _EARLY = {"fc2_early_weights": True, "gather_early_rows": True}
 _GATHER = {"swap_ab": True, "gather_in_fc1": True, **_EARLY}
 _NARROW = {"swap_narrow": True}
@@ -384,6 +408,18 @@ _GEMV8 = {
     "fc2_early_weights": True,
     "pair_blocks": True,
     "pair_combine": True,
+}
+#: the routed GEMV (routing, gather and combine kernels around it: no pair chain), FC1 over 8 warps, FC2's early ring
+_GEMV8R = {
+    "tile_m": 8,
+    "swap_ab": True,
+    "gemv": True,
+    "gemv_k_warps": 4,
+    "gemv_fc1_k_warps": 8,
+    "gemv_stages": 2,
+    "fc2_early_weights": True,
+    "gather_early_rows": True,
+    "gemv_early_ring": True,
 }
 BUCKETS = (
     TokenBucket(
@@ -400,7 +436,16 @@ BUCKETS = (
         _GEMV8,
         max_pairs_per_expert=0.125,
         fallback="decode",
+        format_knobs={"mxfp8": {"gemv_early_ring": True}},
         formats=("mxfp8", "nvfp4"),
+        max_hidden=2048,
+    ),
+    TokenBucket(
+        "gemv8r",
+        _GEMV8R,
+        max_pairs_per_expert=1.0,
+        fallback="decode",
+        formats=("mxfp8",),
         max_hidden=2048,
     ),
     TokenBucket(
@@ -408,9 +453,9 @@ BUCKETS = (
         {**_SPARSE16, "swap_split_k": 2},
         max_pairs_per_expert=0.5,
         fallback="decode",
-        format_max_pairs={"nvfp4": 0.125},
         one_wave=("mxfp8", "nvfp4"),
         fc1_parts=2,
+        many_waves={"nvfp4": (0.125, 4096)},
     ),
     TokenBucket(
         "sparse16",
