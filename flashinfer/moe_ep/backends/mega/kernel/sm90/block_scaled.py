@@ -241,8 +241,9 @@ class TokenBucket:
         hidden: int | None = None,
     ) -> bool:
         """Whether the bucket serves ``t`` tokens; ``frontend`` (this bucket's) for the ``one_wave`` rule,
-        which without it does not apply; ``hidden`` (H) for ``max_hidden`` (a bucket with a bound on H or
-        a list of ``formats`` serves nothing where H or the format is not given)."""
+        which without it does not apply; ``hidden`` (H) for ``max_hidden`` and ``many_waves`` (a bucket with a
+        bound on H or a list of ``formats`` serves nothing where H or the format is not given, nor does
+        ``many_waves`` past its p0 without H or the frontend)."""
         if not self.applies_to(fmt, hidden):
             return False
         bound = self.format_max_pairs.get(fmt, self.max_pairs_per_expert)  # fmt None: the shared bound
