@@ -53,7 +53,7 @@ import flashinfer.moe_ep as moe
 from flashinfer.moe_ep.cli.backends import choose_backend
 from flashinfer.moe_ep.cli.bench import graph_replays, launch_times_ms, make_bench_layer
 from flashinfer.moe_ep.core.contracts import get_contract
-from flashinfer.moe_ep.core.inputs import make_contract_weights, make_hidden_states, make_topk
+from flashinfer.moe_ep.core.inputs import make_contract_weights, make_token_inputs
 from flashinfer.moe_ep.kernel_src.cutedsl_megamoe.shim import frontend, kernel_cache
 from flashinfer.moe_ep.kernel_src.cutedsl_megamoe.shim import kernel_helpers as kh
 
@@ -178,7 +178,6 @@ def main() -> int:
                 if not loader.loaded:
                     raise SystemExit("the other layer loaded no kernel while it was built: nothing to compare")
                 print(f"{name}: the other drop's layer runs {len(set(loader.loaded))} of its libraries")
-        gen = torch.Generator().manual_seed(11)
         for t in args.tokens:
             at = layers  # the layers timed at T: ours and the others, or ours and its bucket's knob changes
             if changes:
@@ -187,7 +186,7 @@ def main() -> int:
                 at = {"ours": layers["ours"]}
                 for i, change in enumerate(changes):
                     text = json.dumps({**serving, **change}, sort_keys=True)
-                    if text not in by_knobs:  # calibrated like the others (seed 7); the inputs keep `gen`
+                    if text not in by_knobs:  # calibrated like the others (seed 7)
                         print(
                             f"  {name} T={t}: building k{i + 1} = the bucket's knobs with {json.dumps(change)}",
                             flush=True,
@@ -195,11 +194,9 @@ def main() -> int:
                         calib = torch.Generator().manual_seed(7)
                         by_knobs[text] = make_bench_layer(c, entry, w13, w2, json.loads(text), cap, calib)[0]
                     at[f"k{i + 1}"] = by_knobs[text]
-            feed = []
-            for _ in range(args.sets):
-                x = make_hidden_states(t, c.hidden_size, generator=gen, device=dev)
-                ids, w = make_topk(t, c.num_experts, c.top_k, generator=gen, device=dev)
-                feed.append(moe.MoEEpTensors(x, ids, w))
+            # each T's own inputs (core.inputs.make_token_inputs): the same whatever other T this run times
+            feed = [moe.MoEEpTensors(*s) for s in make_token_inputs(
+                t, c.hidden_size, c.num_experts, c.top_k, args.sets, seed=11, device=dev)]  # fmt: skip
             outs = {lab: [torch.full((t, c.hidden_size), float("nan"), dtype=torch.bfloat16, device=dev)
                           for _ in feed] for lab in at}  # fmt: skip
             for lab, layer in at.items():

@@ -25,7 +25,7 @@ from ..backends.mega.kernel.sm90.runtime import prequantized_inputs
 from ..config import BootstrapConfig, FleetParams, MegaConfig, MoEEpTensors, MoEWeightPack
 from ..core.baselines import grouped_mm_moe
 from ..core.contracts import get_contract
-from ..core.inputs import make_contract_weights, make_hidden_states, make_topk, relative_errors, rounding_ulps
+from ..core.inputs import make_contract_weights, make_hidden_states, make_token_inputs, relative_errors, rounding_ulps
 from ..core.reference import moe_reference
 from ..core.reference_quant import moe_reference_quantized, nvfp4_static_scales, quantize_expert_weights
 from ..errors import MoEEpConfigError
@@ -299,15 +299,13 @@ def bench_contract(
     it down (``sm_mhz``, ``power_capped``; NaN / empty when no sample fell in that window)."""
     c = get_contract(name)
     dev = torch.device("cuda")
-    gen = torch.Generator().manual_seed(1234)
+    gen = torch.Generator().manual_seed(1234)  # the NVFP4 calibration batch (the same whatever --tokens lists)
     w13, w2 = make_contract_weights(c, seed=1234, device=dev)  # drawn on the GPU (deepseek-v3: 22.5 GB)
-    inputs_of: dict[int, list[MoEEpTensors]] = {}
-    for t in tokens:
-        inputs_of[t] = []
-        for _ in range(sets):
-            x = make_hidden_states(t, c.hidden_size, generator=gen).to(dev)
-            ids, w = make_topk(t, c.num_experts, c.top_k, generator=gen)
-            inputs_of[t].append(MoEEpTensors(x, ids.to(dev), w.to(dev)))
+    inputs_of = {  # each T's own inputs: a T's routing is the same in runs with other --tokens lists
+        t: [MoEEpTensors(*s) for s in make_token_inputs(t, c.hidden_size, c.num_experts, c.top_k, sets, seed=1234,
+                                                         device=dev)]
+        for t in tokens
+    }  # fmt: skip
     w13_t, w2_t = w13.transpose(1, 2), w2.transpose(1, 2)
     base_ms: dict[int, float] = {}
     first_ms: dict[int, float] = {}

@@ -54,6 +54,28 @@ def make_topk(
     return ids.to(torch.int32).to(device), weights.to(torch.float32).to(device)
 
 
+def make_token_inputs(
+    tokens: int,
+    hidden_size: int,
+    num_experts: int,
+    top_k: int,
+    sets: int,
+    *,
+    seed: int,
+    device: torch.device | str = "cpu",
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``sets`` rotating input sets ``(hidden_states, topk_ids, topk_weights)`` for ``tokens`` tokens, drawn from a
+    generator of their own (``seed`` and ``tokens``): a T gets the same inputs whatever other T a run also times
+    (where the routing's busy-expert count decides a kernel's waves, runs with other token lists then compare)."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + tokens)
+    out = []
+    for _ in range(sets):
+        x = make_hidden_states(tokens, hidden_size, generator=gen, device=device)
+        ids, w = make_topk(tokens, num_experts, top_k, generator=gen, device=device)
+        out.append((x, ids, w))
+    return out
+
+
 def make_hidden_states(
     tokens: int, hidden_size: int, *, generator: torch.Generator | None = None, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
