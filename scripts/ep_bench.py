@@ -76,7 +76,7 @@ def main() -> int:
     from flashinfer.moe_ep.cli.bench import launch_times_ms
     from flashinfer.moe_ep.core.baselines import split_ep_moe
     from flashinfer.moe_ep.core.contracts import get_contract
-    from flashinfer.moe_ep.core.inputs import make_expert_weights, make_hidden_states, make_topk, relative_errors
+    from flashinfer.moe_ep.core.inputs import make_expert_weights, make_token_inputs, relative_errors
     from flashinfer.moe_ep.core.runtime.bootstrap import bootstrap_moe_ep_runtime, finalize_moe_ep_runtime
 
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -174,12 +174,8 @@ def main() -> int:
                 print(f"  autotune {name} {bucket} (m/fc1/fc2 ms): " + ", ".join(tiles_ms), flush=True)
         w13_t, w2_t = w13.transpose(1, 2), w2.transpose(1, 2)
         for t in a.tokens:
-            gen = torch.Generator().manual_seed(1000 * t + rank)
-            ins = []
-            for _ in range(a.sets):
-                x = make_hidden_states(t, c.hidden_size, generator=gen).to(dev)
-                ids, w = make_topk(t, c.num_experts, c.top_k, generator=gen)
-                ins.append(moe.MoEEpTensors(x, ids.to(dev), w.to(dev)))
+            ins = [moe.MoEEpTensors(*s) for s in make_token_inputs(
+                t, c.hidden_size, c.num_experts, c.top_k, a.sets, seed=rank, device=dev)]  # fmt: skip
             outs = [torch.empty(t, c.hidden_size, dtype=torch.bfloat16, device=dev) for _ in range(a.sets)]
 
             def mega(i: int, ins=ins, outs=outs, layer=layer) -> None:

@@ -35,7 +35,7 @@ def main() -> int:
 
     import flashinfer.moe_ep as moe
     from flashinfer.moe_ep.core.contracts import get_contract
-    from flashinfer.moe_ep.core.inputs import make_contract_weights, make_hidden_states, make_topk
+    from flashinfer.moe_ep.core.inputs import make_contract_weights, make_token_inputs
     from flashinfer.moe_ep.kernel_src.cutedsl_megamoe import tuner
 
     dev = torch.device("cuda")
@@ -62,12 +62,8 @@ def main() -> int:
             bucket = tuner.bucket_of(t)
             knobs = {k: layers[k]._backend._by_bucket[bucket][0].knobs for k in layers}
             same = knobs["defaults"] == knobs["tuned"]
-            cpu = torch.Generator().manual_seed(t)
-            sets = []
-            for _ in range(a.sets):
-                x = make_hidden_states(t, c.hidden_size, generator=cpu).to(dev)
-                ids, w = make_topk(t, c.num_experts, c.top_k, generator=cpu)
-                sets.append((moe.MoEEpTensors(x, ids.to(dev), w.to(dev)), torch.empty_like(x)))
+            sets = [(moe.MoEEpTensors(x, ids, w), torch.empty_like(x)) for x, ids, w in make_token_inputs(
+                t, c.hidden_size, c.num_experts, c.top_k, a.sets, seed=0, device=dev)]  # fmt: skip
             times: dict[str, list[float]] = {k: [] for k in layers}
             for i in range(a.sets + a.iters):
                 for label, layer in layers.items():
