@@ -29,6 +29,7 @@ import pytest
 import torch
 
 import flashinfer.moe_ep as moe
+from flashinfer.moe_ep.backends.mega.kernel.sm90.block_scaled import BUCKETS
 from flashinfer.moe_ep.core.contracts import CONTRACTS
 from flashinfer.moe_ep.core.inputs import make_expert_weights, make_hidden_states, relative_errors
 from flashinfer.moe_ep.core.quant import quantize_mxfp8, quantize_nvfp4
@@ -288,10 +289,11 @@ GPU_VARIANTS = [
       "knobs": {**PAIR_KNOBS, "pair_combine": True, "gemv_k_warps": 2, "gemv_stages": 3, "gemv_early_ring": True}})
     for fmt in FORMATS
 ] + [
-    # MXFP8's gemv8r (session 42): the routed GEMV with FC1 over 8 warps and FC2's early ring, no FC1 early weights
+    # MXFP8's gemv8r bucket (session 42: the routed GEMV, FC1 over 8 warps, FC2's early ring) at every T of a
+    # 1024-wide layer (FC2's 8 K units: two a warp, both copied before the wait)
     ("mxfp8-small1024-swiglu-gemv-fc1k8-ring", "mxfp8",
      {**SMALL, "hidden_size": 1024, "intermediate_size": 512, "activation": "swiglu", "activation_limit": None,
-      "knobs": {**GEMV_KNOBS, "fc1_early_weights": False, "gemv_fc1_k_warps": 8, "gemv_early_ring": True}}),
+      "knobs": next(b for b in BUCKETS if b.name == "gemv8r").knobs_for("mxfp8")}),
 ]  # fmt: skip
 
 

@@ -249,12 +249,16 @@ class TokenBucket:
         bound = self.format_max_pairs.get(fmt, self.max_pairs_per_expert)  # fmt None: the shared bound
         if bound is not None and t * top_k > bound * num_experts:
             return False
-        if fmt in self.many_waves and t * top_k > self.many_waves[fmt][0] * num_experts:
-            if hidden is None or hidden < self.many_waves[fmt][1] or frontend is None:
-                return False
-            if frontend.fc1_cta_tiles(1) is None:  # a fallback frontend: no swap-AB split
-                return False
-            return self.fc1_parts == 1 or frontend.fc1_splits_into(self.fc1_parts)
+        from_pairs, min_hidden = self.many_waves.get(fmt, (None, None))
+        if from_pairs is not None and t * top_k > from_pairs * num_experts:
+            # whatever the FC1 waves, where K is long and the swap-AB frontend (not a fallback) takes the split
+            return (
+                hidden is not None
+                and hidden >= min_hidden
+                and frontend is not None
+                and frontend.fc1_cta_tiles(1) is not None
+                and (self.fc1_parts == 1 or frontend.fc1_splits_into(self.fc1_parts))
+            )
         if fmt not in self.one_wave or frontend is None:
             return self.fc1_parts == 1
         busy = math.ceil(min(t * top_k, num_experts) * frontend.local_experts / num_experts)
