@@ -307,12 +307,7 @@ class GemvDequantSm90(SwapDequantGemmSm90):
             for i in cutlass.range(mine, unroll=1):
                 nxt = i + self.stages - 1
                 fill = ring_base + (nxt % self.stages) * self.stage_bytes  # unit i - 1's, consumed
-                if cutlass.const_expr(self.early_ring):
-                    if i > 0:  # step 0's weights were copied before the wait
-                        self._copy_weights(
-                            fill, mW, mS, expert, warp + nxt * kw, nxt < mine, k_tiles, n_rows, offsets, lane
-                        )
-                else:
+                if cutlass.const_expr(not self.early_ring) or i > 0:  # early_ring: step 0's were copied before the wait
                     self._copy_weights(
                         fill, mW, mS, expert, warp + nxt * kw, nxt < mine, k_tiles, n_rows, offsets, lane
                     )
