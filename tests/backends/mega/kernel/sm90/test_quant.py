@@ -249,7 +249,9 @@ def test_buckets_share_the_weight_layout(fmt: str) -> None:
         assert k.fc2_early_weights and k.fc1_early_weights == (b.name in ("split16", "sparse16"))
         gemv = b.name in ("gemv8k8", "gemv8", "gemv8r")
         assert k.gemv == gemv and k.gemv_k_warps == bk.get("gemv_k_warps", 4)
-        assert k.gemv_fc1_k_warps == (8 if b.name in ("gemv8k8", "gemv8r") else None)
+        nvfp4_gemv8 = (b.name, fmt) == ("gemv8", "nvfp4")  # FC2 over 2 warps, FC1 over 4, 3-deep rings (session 43)
+        assert k.gemv_fc1_k_warps == (8 if b.name in ("gemv8k8", "gemv8r") else 4 if nvfp4_gemv8 else None)
+        assert k.gemv_stages == (3 if nvfp4_gemv8 else 2)
         # FC2's whole ring before its wait: MXFP8's gemv8 and gemv8r (session 42)
         assert k.gemv_early_ring == (b.name == "gemv8r" or (b.name, fmt) == ("gemv8", "mxfp8"))
         # the pair chain (the GEMV buckets but the routed one: no routing, gather or combine kernel) and elsewhere
@@ -359,14 +361,15 @@ def test_gemv8_serves_its_formats_pairs_and_hidden_sizes(fmt: str) -> None:
             assert not set(gemvs) & set(picks[last:]), (name, picks)
             for b in gemvs:
                 k = fes[b].knobs
-                fc2_warps = 8 if (b, fmt) == ("gemv8k8", "mxfp8") else 4
-                assert k.gemv and k.tile_m == 8 and k.gemv_stages == 2 and k.gemv_k_warps == fc2_warps
+                fc2_warps = {("gemv8k8", "mxfp8"): 8, ("gemv8", "nvfp4"): 2}.get((b, fmt), 4)
+                stages = 3 if (b, fmt) == ("gemv8", "nvfp4") else 2  # session 43
+                assert k.gemv and k.tile_m == 8 and k.gemv_stages == stages and k.gemv_k_warps == fc2_warps
                 assert k.pair_blocks and k.pair_combine and not k.gemv_l2_prefetch
                 # every T the bucket serves fits one pair chain launch (T * top_k <= num_experts)
                 assert fes[b].pair_blocks_max_tokens >= last
             assert fes["gemv8k8"].knobs == dataclasses.replace(fes["gemv8"].knobs, gemv_fc1_k_warps=8,
                                                                gemv_k_warps=8 if fmt == "mxfp8" else 4,
-                                                               gemv_early_ring=False)  # fmt: skip
+                                                               gemv_early_ring=False, gemv_stages=2)  # fmt: skip
             assert fes["gemv8"].knobs.gemv_early_ring == (fmt == "mxfp8")  # session 42
         else:
             assert not set(gemvs) & (set(picks) | set(fes)), (name, picks)  # no kernel built for them

@@ -400,6 +400,13 @@ class TokenBucket:
 #:   1.001, T = 16 0.957 / 0.964. Not at H = 2048 (qwen3-30b-a3b T = 3-12: 0.95-1.11, a loss at T = 3-5 and 12) nor
 #:   at 1/8 pair where the one-wave rule says no (qwen3-235b-a22b T = 2: 1.12-1.20; deepseek-v3 T = 4 would
 #:   gain 4 %, not taken).
+#: - NVFP4's ``gemv8`` (session 43) runs FC2 over 2 GEMV warps and both GEMVs' rings 3 deep (FC1 keeps 4 warps):
+#:   at qwen3-30b-a3b T = 2 FC2's 512 CTAs of 4 warps (66 KiB of shared memory each, three an SM) were 1.3 waves
+#:   (Nsight Compute, session 43); of 2 warps (46 KiB with 3 stages) they fit one, each warp's 3 K units in flight at
+#:   once. The bench in graphs of 8 layers on an H100, its time over the 4-warp, 2-stage knobs': 0.851, 0.837,
+#:   0.844, 0.835 (four runs in two calls); FC2 over 2 warps with 2 stages 0.904-0.917. Not at T = 1 (``gemv8k8``:
+#:   1.09-1.15, its 256 FC2 CTAs fit one wave already) nor for MXFP8 at T = 2 (12 K units: 1.03; 3 stages with 4
+#:   warps 1.10).
 _EARLY = {"fc2_early_weights": True, "gather_early_rows": True}
 _GATHER = {"swap_ab": True, "gather_in_fc1": True, **_EARLY}
 _NARROW = {"swap_narrow": True}
@@ -441,7 +448,10 @@ BUCKETS = (
         _GEMV8,
         max_pairs_per_expert=0.125,
         fallback="decode",
-        format_knobs={"mxfp8": {"gemv_early_ring": True}},
+        format_knobs={
+            "mxfp8": {"gemv_early_ring": True},
+            "nvfp4": {"gemv_k_warps": 2, "gemv_fc1_k_warps": 4, "gemv_stages": 3},
+        },
         formats=("mxfp8", "nvfp4"),
         max_hidden=2048,
     ),
