@@ -295,13 +295,12 @@ GPU_VARIANTS = [
      {**SMALL, "hidden_size": 1024, "intermediate_size": 512, "activation": "swiglu", "activation_limit": None,
       "knobs": next(b for b in BUCKETS if b.name == "gemv8r").knobs_for("mxfp8")}),
 ] + [
-    # NVFP4's gemv8 with FC2 over 2 GEMV warps (session 43: FC2's 512 CTAs at T = 2 then fit one wave): FC2's 6 K units
-    # three a warp through its 2-deep ring, FC1 keeping 4 warps
+    # NVFP4's gemv8 with FC2 over 2 GEMV warps, FC1 keeping 4 (session 43: FC2's 512 CTAs at T = 2 then fit one wave):
+    # FC2's 6 K units three a warp, through a 2-deep ring, and through the bucket's own 3-deep one (its knobs, BUCKETS)
     ("nvfp4-qwen3-30b-a3b-pairs-combine-fc2k2", "nvfp4",
      {**QWEN3_30B, "knobs": {**PAIR_KNOBS, "pair_combine": True, "gemv_k_warps": 2, "gemv_fc1_k_warps": 4}}),
     ("nvfp4-qwen3-30b-a3b-pairs-combine-fc2k2-s3", "nvfp4",
-     {**QWEN3_30B, "knobs": {**PAIR_KNOBS, "pair_combine": True, "gemv_k_warps": 2, "gemv_fc1_k_warps": 4,
-                             "gemv_stages": 3}}),
+     {**QWEN3_30B, "knobs": next(b for b in BUCKETS if b.name == "gemv8").knobs_for("nvfp4")}),
     # MXFP8's gemv8r with FC2 over 2 warps on the 1024-wide layer (FC2's 8 K units: four a warp)
     ("mxfp8-small1024-swiglu-gemv-fc1k8-ring-fc2k2", "mxfp8",
      {**SMALL, "hidden_size": 1024, "intermediate_size": 512, "activation": "swiglu", "activation_limit": None,
