@@ -180,3 +180,27 @@ def test_gpu_session_multigpu_keeps_the_auto_knobs(monkeypatch, tmp_path) -> Non
         assert gs.multigpu(tmp_path, 2, ["8"], knobs, True, False, [], tmp_path) == 0
         bench = next(c for c in cmds if "--knobs" in c)
         assert (bench[bench.index("--knob-cache") + 1] if "--knob-cache" in bench else None) == cache
+
+
+def test_gemv_phase_stamps_patches_a_copy_of_this_drop_once(tmp_path) -> None:
+    """``scripts/gemv_phase_stamps.py patch`` stamps a copy of this drop's ``gemv.py`` (every anchor found once; the
+    stamps land in the GEMV's output buffer), then refuses the patched copy (its anchors no longer match) and this
+    checkout's own drop. A new drop that moves the anchors fails here, so the diagnostic is updated with it."""
+    import importlib.util
+    import shutil
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    script = root / "scripts" / "gemv_phase_stamps.py"
+    spec = importlib.util.spec_from_file_location("gemv_phase_stamps_under_test", script)
+    stamps = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stamps)
+    copy = tmp_path / stamps.GEMV
+    copy.parent.mkdir(parents=True)
+    shutil.copy(root / stamps.GEMV, copy)
+    assert stamps.patch(tmp_path) == 0
+    text = copy.read_text()
+    assert text.count("_stamp(st_base") == 10 and "mC.iterator.toint()" in text
+    compile(text, str(copy), "exec")  # still Python
+    assert stamps.patch(tmp_path) == 1 and copy.read_text() == text  # nothing half-done
+    assert stamps.patch(root) == 1
