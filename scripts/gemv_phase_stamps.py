@@ -118,6 +118,13 @@ def patch(tree: Path) -> int:
     return 0
 
 
+def _us(stamps, ref: int):
+    """``%globaltimer`` low words -> us after ``ref`` (the low word wraps every 4.3 s)."""
+    import numpy as np
+
+    return (((stamps.astype(np.int64) - ref) + 2**31) % 2**32 - 2**31) / 1000.0
+
+
 def _spread(name: str, words, phases: list[str], ref: int) -> None:
     import numpy as np
 
@@ -127,7 +134,7 @@ def _spread(name: str, words, phases: list[str], ref: int) -> None:
         t = t[t != 0]
         if not label or not len(t):
             continue
-        us = (((t.astype(np.int64) - ref) + 2**31) % 2**32 - 2**31) / 1000.0
+        us = _us(t, ref)
         print(f"    {label:>9}: min {us.min():7.2f}  p10 {np.percentile(us, 10):7.2f}  median {np.median(us):7.2f}"
               f"  p90 {np.percentile(us, 90):7.2f}  max {us.max():7.2f} us  ({len(t)} CTAs)")  # fmt: skip
 
@@ -136,9 +143,10 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    # a fallback only: the patched copy must come first on PYTHONPATH (its source digest keys the stamped kernels)
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
     import flashinfer.moe_ep as moe
-    from flashinfer.moe_ep.backends.mega.kernel.sm90.block_scaled import BUCKETS
+    from flashinfer.moe_ep.backends.mega.kernel.sm90.block_scaled import BUCKETS, token_bucket
     from flashinfer.moe_ep.cli.backends import choose_backend
     from flashinfer.moe_ep.cli.bench import graph_replays, make_bench_layer
     from flashinfer.moe_ep.core.contracts import get_contract
@@ -151,8 +159,11 @@ def run(args: argparse.Namespace) -> int:
     for fmt in args.fmt:
         entry, _ = choose_backend(BACKENDS[fmt], dev)
         for t in args.tokens:
-            bucket = args.bucket or ("gemv8k8" if t * c.top_k * 16 <= c.num_experts else "gemv8")
+            bucket = args.bucket or token_bucket(t, c.top_k, c.num_experts, fmt, hidden=c.hidden_size)
             knobs = next(b for b in BUCKETS if b.name == bucket).knobs_for(fmt)
+            if not knobs.get("pair_blocks"):
+                print(f"{fmt} T={t}: bucket {bucket} is not the GEMV pair chain (nothing to stamp)", file=sys.stderr)
+                return 1
             layers = [make_bench_layer(c, entry, w13.roll(i, 0), w2.roll(i, 0), knobs, 16, gen)[0]
                       for i in range(args.layers)]  # fmt: skip
             feeds = [moe.MoEEpTensors(make_hidden_states(t, c.hidden_size, generator=gen, device=dev),
@@ -187,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
             per_sm = Counter(fc1[:, 18].tolist())
             for k in sorted(set(per_sm.values())):
                 rows = fc1[[per_sm[s] == k for s in fc1[:, 18].tolist()]]
-                end = (((rows[:, 16].astype(np.int64) - ref) + 2**31) % 2**32 - 2**31) / 1000.0
+                end = _us(rows[:, 16], ref)
                 print(f"    FC1 CTAs on SMs holding {k}: {len(rows)}, epilogue done median {np.median(end):.2f} us")
             print(f"    SMs holding FC1 CTAs: {len(per_sm)}; holding FC2 CTAs: {len(set(fc2[:, 18].tolist()))}")
             for lay in layers:
@@ -207,7 +218,7 @@ def main() -> int:
     pr.add_argument("--fmt", nargs="+", default=["mxfp8", "nvfp4"], choices=sorted(BACKENDS))
     pr.add_argument("--tokens", type=int, nargs="+", default=[1, 2])
     pr.add_argument("--layers", type=int, default=8)
-    pr.add_argument("--bucket", default=None, help="the bucket whose knobs to stamp (default: gemv8k8 / gemv8 by T)")
+    pr.add_argument("--bucket", default=None, help="the bucket whose knobs to stamp (default: the one serving T)")
     args = p.parse_args()
     return patch(args.tree) if args.what == "patch" else run(args)
 
