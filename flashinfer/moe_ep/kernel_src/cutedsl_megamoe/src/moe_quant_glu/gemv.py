@@ -64,6 +64,11 @@ for this GEMV): M block b is pair b of ``topk_ids`` (its expert, one real token 
   token's ``top_k`` units of a row warp sums the token's k rows of those 64 columns into ``out``
   (``src.pair_combine``: the combine kernel's bits), with a counter per (token, row warp) in
   ``counters[E + 1:]``. No combine kernel runs.
+- ``pair_cluster`` (with ``pair_combine``): the token's ``top_k`` units of a row warp run as one cluster of
+  ``top_k`` CTAs (CTA rank k: pair ``t * top_k + k``). Each stores its pair's 64 BF16 y values of the real
+  token column into a slot of the rank-0 CTA's shared memory (``st.shared::cluster``) instead of its y row;
+  after a cluster barrier rank 0 sums the slots in k order (``src.pair_combine.combine_words``: the same bits).
+  No y row, counter, fence or atomic: one barrier instead of the global round trips of store, count, reload.
 """
 
 import cutlass
@@ -73,10 +78,10 @@ from cutlass import Float32, Int32, Int64, Uint32
 from ..common import constants
 from ..common.host_utils import SM90_SMEM_BYTES, gemv_shared_bytes
 from ..src import block_quant as bq
-from ..src.pair_combine import combine_word, count_in, publish_stores, reset_counter
+from ..src.pair_combine import combine_word, combine_words, count_in, publish_stores, reset_counter, st_cluster_b32
 from ..src.warp_ring import cp_async, cp_async_commit, cp_async_wait, mma_bf16_16816, prefetch_l2
 from .aux_kernels import ITEM, TOKEN_LANES, dequant_slot, item_bytes, qdq_slot
-from .swap_gemm import EPI_PLAIN, SwapDequantGemmSm90
+from .swap_gemm import EPI_PLAIN, SwapDequantGemmSm90, pack_bf16x2
 
 ROW_WARP_ROWS = constants.GEMV_ROW_WARP_ROWS  # weight rows per row warp (four 16-row MMA atoms)
 GEMV_K_WARPS = (2, 4, 8, 16)
@@ -105,6 +110,7 @@ class GemvDequantSm90(SwapDequantGemmSm90):
         pair_combine: bool = False,
         l2_prefetch: bool = False,
         early_ring: bool = False,
+        pair_cluster: bool = False,
     ) -> None:
         super().__init__(fmt, 16, epilogue, limit, 1, requant=requant, gscale_index=gscale_index)
         self.l2_prefetch = l2_prefetch
@@ -117,6 +123,9 @@ class GemvDequantSm90(SwapDequantGemmSm90):
             raise ValueError("gather_x (the layer's first kernel) reads topk_ids only after its wait: no early_w")
         if pair_combine and epilogue != EPI_PLAIN:
             raise ValueError("pair_combine needs the plain epilogue (FC2)")
+        if pair_cluster and not pair_combine:
+            raise ValueError("pair_cluster needs pair_combine")
+        self.pair_cluster = pair_cluster
         self.pair_blocks = pair_blocks
         self.gather_x = gather_x
         self.prequantized = prequantized
@@ -209,12 +218,21 @@ class GemvDequantSm90(SwapDequantGemmSm90):
             x_scale = meta  # unused placeholder
         if cutlass.const_expr(not self.pair_combine):
             out, topk_weights, counters = c, meta, meta  # unused placeholders
+        blocks = cutlass.max(cutlass.min(max_blocks, m_block_expert.shape[0]), 1)
+        cluster = [1, 1, 1]
+        if cutlass.const_expr(self.pair_cluster):  # the grid in whole clusters of one token's top_k pairs
+            top_k = topk_weights.shape[1]
+            if top_k > 8:
+                raise ValueError(f"pair_cluster: a cluster holds at most 8 CTAs, top_k={top_k}")
+            blocks = (blocks + top_k - 1) // top_k * top_k
+            cluster = [top_k, 1, 1]
         self.kernel(
             w_data, w_scale, act, c, m_block_expert, meta, w_gscale, act_gscale, partial, row_warps, topk_ids, x,
             x_scale, out, topk_weights, counters,
         ).launch(
-            grid=[cutlass.max(cutlass.min(max_blocks, m_block_expert.shape[0]), 1) * row_warps, 1, 1],
+            grid=[blocks * row_warps, 1, 1],
             block=[32 * self.k_warps, 1, 1],
+            cluster=cluster,
             stream=stream,
             use_pdl=use_pdl,
         )  # fmt: skip
@@ -249,6 +267,15 @@ class GemvDequantSm90(SwapDequantGemmSm90):
 
         m_blk = bidx // row_warps
         row_warp = bidx - m_blk * row_warps
+        slot_k = 0  # pair_cluster: this CTA's rank in its cluster (its pair's k)
+        if cutlass.const_expr(self.pair_cluster):  # CTA (t * row_warps + row warp) * top_k + k: pair t * top_k + k
+            cl_size = topk_weights.shape[1]
+            unit = bidx // cl_size
+            slot_k = bidx - unit * cl_size
+            tok_c = unit // row_warps
+            row_warp = unit - tok_c * row_warps
+            m_blk = tok_c * cl_size + slot_k
+            cute.arch.cluster_arrive_relaxed()  # waited for before the first remote store: every CTA has started
         n_rows = mW.shape[2]
         k_tiles = mW.shape[1]
         n_units = k_tiles * constants.TILE_K // self.unit_k
@@ -258,6 +285,10 @@ class GemvDequantSm90(SwapDequantGemmSm90):
         ring = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(self.k_warps * self.ring_bytes), 128)
         ring_base = bq.smem_addr(ring.iterator) + warp * self.ring_bytes
         x_row = None  # gather_x: the token's prepared row (K bf16), read by every lane
+        self._cluster_slot = None  # pair_cluster: this pair's slot of 64 y values in rank 0's shared memory
+        if cutlass.const_expr(self.pair_cluster):
+            slots = smem.allocate_tensor(Uint32, cute.make_layout(topk_weights.shape[1] * ROW_WARP_ROWS // 2), 16)
+            self._cluster_slot = bq.smem_addr(slots.iterator) + slot_k * (ROW_WARP_ROWS * 2)
         if cutlass.const_expr(self.gather_x):
             x_row = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout((1, self.k)), 16)
         kw = self.k_warps
@@ -324,6 +355,8 @@ class GemvDequantSm90(SwapDequantGemmSm90):
                 for r in cutlass.range_constexpr(n_acc):
                     sPartial[warp, r, lane] = acc[r]
             cute.arch.barrier()
+            if cutlass.const_expr(self.pair_cluster):
+                cute.arch.cluster_wait()  # every CTA of the cluster has started: rank 0's slots can be written
             if warp == 0:
                 for r in cutlass.range_constexpr(n_acc):
                     v = acc[r]
@@ -331,7 +364,7 @@ class GemvDequantSm90(SwapDequantGemmSm90):
                         v = v + sPartial[w, r, lane]
                     acc[r] = v
                 self._epilogue(acc, mC, m_blk, 0, 0, row_warp, lane, valid_rows, alpha, out_gs, None)
-                if cutlass.const_expr(self.pair_combine):
+                if cutlass.const_expr(self.pair_combine and not self.pair_cluster):
                     top_k = topk_weights.shape[1]
                     tok = m_blk // top_k
                     publish_stores()
@@ -341,6 +374,40 @@ class GemvDequantSm90(SwapDequantGemmSm90):
                         col = row_warp * ROW_WARP_ROWS + 2 * lane  # lane l: the row warp's columns 2l, 2l + 1
                         y_base = mC.iterator.toint()
                         combine_word(y_base, mOut, mOut.shape[1], topk_weights, tok, top_k, self.tok_tile, col)
+            if cutlass.const_expr(self.pair_cluster):
+                cute.arch.cluster_arrive()  # release: this CTA's slot stores (warp 0's) before it
+                cute.arch.cluster_wait()  # acquire: every slot is in rank 0's shared memory
+                if slot_k == 0:
+                    if warp == 0:  # lane l: the row warp's columns 2l, 2l + 1, pair k's from slot k
+                        n_pairs = topk_weights.shape[1]
+                        words = []
+                        for kk in cutlass.range_constexpr(n_pairs):
+                            words.append(bq.ld_shared_b32(self._cluster_slot + kk * (ROW_WARP_ROWS * 2) + lane * 4))
+                        col = row_warp * ROW_WARP_ROWS + 2 * lane
+                        combine_words(words, mOut, mOut.shape[1], topk_weights, m_blk // n_pairs, col)
+
+    def _store_columns(self, cols: list, j: int, mC, m_blk, n_blk, wg, warp, lane, pair, pair_f32) -> None:
+        """``swap_gemm``'s stores, or with ``pair_cluster`` the real token column's into the cluster slot
+        (``_store_slot``); the padding columns and the y row are not stored then."""
+        if cutlass.const_expr(not self.pair_cluster):
+            super()._store_columns(cols, j, mC, m_blk, n_blk, wg, warp, lane, pair, pair_f32)
+        elif cutlass.const_expr(j == 0):
+            self._store_slot(cols, lane)
+
+    @cute.jit
+    def _store_slot(self, cols: list, lane) -> None:
+        """``pair_cluster``: token column 0 (group 0, held by the even lanes of q = 0 after ``swap_gemm``'s
+        exchange) as BF16 pairs into this pair's slot in rank 0's shared memory, word ``f / 2`` of the row warp's
+        feature f."""
+        i = lane >> 2
+        odd = (i & 1) == 1
+        real = (lane & 7) == 0  # q = 0 and i even
+        for g in cutlass.range_constexpr(self.groups):  # features 8 g + i, 8 g + i + 1 (i even)
+            send = cutlass.Float32(cutlass.select_(odd, cols[0][g], cols[1][g]))
+            got = cute.arch.shuffle_sync_bfly(send, 4)
+            if real:
+                word = pack_bf16x2(cols[0][g], got)
+                st_cluster_b32(self._cluster_slot + (4 * g + (i >> 1)) * 4, 0, word)
 
     def _num_blocks(self, meta: cute.Tensor, topk_ids: cute.Tensor, relaxed: bool = False):
         """M blocks of this call: the routing's count (``relaxed``: read with ld.relaxed.gpu, before the wait), or

@@ -116,6 +116,9 @@ class Sm90MegaMoEQuantKernel:
         units of each 64-column row warp summing them in k order (the combine kernel's bits), and the combine
         kernel is not launched; its counters extend ``expert_count`` (``host_utils.pair_combine_counters(E,
         K, H, 64)``, zero on entry and zeroed again).
+    :param gemv_pair_cluster: (``pair_combine`` only, ``top_k <= 8``) FC2's ``top_k`` units of a token's row warp run
+        as one cluster and meet in the shared memory of its rank-0 CTA, which sums them (the same bits); no y
+        rows, counters or atomics (``GemvDequantSm90(pair_cluster=True)``).
     :param prequantized: ``x`` holds the activation codes in the format (uint8: E4M3 [T, H] or E2M1
         pairs [T, H/2]) and ``x_scale`` their block scales (uint8: UE8M0 [T, H/32] or E4M3 [T, H/16]);
         otherwise ``x`` is bf16 [T, H], quantized by the kernel, and ``x_scale`` is not read.
@@ -156,6 +159,7 @@ class Sm90MegaMoEQuantKernel:
         gemv_l2_prefetch: bool = False,
         gemv_fc1_k_warps: int | None = None,
         gemv_early_ring: bool = False,
+        gemv_pair_cluster: bool = False,
     ) -> None:
         if swap_narrow and not swap_ab:
             raise ValueError("swap_narrow needs the swap-AB GEMMs (swap_ab=True)")
@@ -165,6 +169,8 @@ class Sm90MegaMoEQuantKernel:
             raise ValueError("pair_blocks needs gemv=True, fc1_early_weights=False and gather_early_rows=False")
         if pair_combine and not pair_blocks:
             raise ValueError("pair_combine needs pair_blocks")
+        if gemv_pair_cluster and not pair_combine:
+            raise ValueError("gemv_pair_cluster needs pair_combine")
         if gemv_l2_prefetch and not gemv:
             raise ValueError("gemv_l2_prefetch needs the GEMV (gemv=True)")
         if gemv_fc1_k_warps is not None and not gemv:
@@ -213,7 +219,7 @@ class Sm90MegaMoEQuantKernel:
             fmt, tile_m, fc1_tile_n, fc2_tile_n, activation, limit, num_sms, fc1_stages, fc2_stages, swap_ab, swap_wg,
             probe, bf_buffers, swap_atoms, swap_stagger, gather_in_fc1, swap_split_k, fc2_early_weights,
             fc1_early_weights, gemv, gemv_k_warps, gemv_stages, pair_blocks, prequantized, pair_combine, swap_narrow,
-            swap_tma_store, gemv_l2_prefetch, gemv_fc1_k_warps, gemv_early_ring,
+            swap_tma_store, gemv_l2_prefetch, gemv_fc1_k_warps, gemv_early_ring, gemv_pair_cluster,
         )  # fmt: skip
 
     @cute.jit
@@ -345,6 +351,7 @@ def quant_gemms(
     gemv_l2_prefetch: bool = False,
     gemv_fc1_k_warps: int | None = None,
     gemv_early_ring: bool = False,
+    gemv_pair_cluster: bool = False,
 ) -> tuple:
     """FC1 (the activation and the requantization to the FC2 input format in its epilogue) and FC2 of the
     block-scaled kernels (world size 1 and EP): the swap-AB GEMMs (weights dequantized in registers,
@@ -359,7 +366,8 @@ def quant_gemms(
     the swap-AB FC2's epilogue through shared memory and TMA stores (``SwapDequantGemmSm90(tma_store=True)``);
     ``gemv_l2_prefetch``: the GEMVs' bulk L2 prefetches of their later K units
     (``GemvDequantSm90(l2_prefetch=True)``); ``gemv_fc1_k_warps``: FC1's GEMV warps (None: ``gemv_k_warps``);
-    ``gemv_early_ring``: FC2's GEMV copies its whole ring's weights before its wait."""
+    ``gemv_early_ring``: FC2's GEMV copies its whole ring's weights before its wait; ``gemv_pair_cluster``: FC2's
+    GEMV combines each token's pairs in a cluster of its ``top_k`` CTAs."""
     if gemv:
         fc1_k_warps = gemv_k_warps if gemv_fc1_k_warps is None else gemv_fc1_k_warps
         fc1 = GemvDequantSm90(fmt, tile_m, activation, limit, requant=True, k_warps=fc1_k_warps,
@@ -369,7 +377,7 @@ def quant_gemms(
         fc2 = GemvDequantSm90(fmt, tile_m, "plain", None, gscale_index=1, k_warps=gemv_k_warps,
                               early_w=fc2_early_weights, stages=gemv_stages, pair_blocks=pair_blocks,
                               pair_combine=pair_combine, l2_prefetch=gemv_l2_prefetch,
-                              early_ring=gemv_early_ring)  # fmt: skip
+                              early_ring=gemv_early_ring, pair_cluster=gemv_pair_cluster)  # fmt: skip
         return fc1, fc2
     if swap_ab:
         swap = {"max_wg": swap_wg, "max_atoms": swap_atoms, "stagger": swap_stagger, "split_k": swap_split_k,

@@ -14,6 +14,10 @@ the bits do not depend on which unit comes last.
 Memory order: every lane fences its own y stores (``fence.acq_rel.gpu``) before the warp's one
 ``atom.add.acq_rel.gpu``; the last arrival fences again and reads the rows with ``ld.global.cg`` (past
 L1, which other SMs' stores do not update).
+
+With a cluster per (token, column block) (the GEMV's ``pair_cluster``) the k rows meet in the shared memory of
+the cluster's rank-0 CTA instead (``st_cluster_b32``, a cluster barrier) and ``combine_words`` sums them: the
+same arithmetic on the same BF16 words.
 """
 
 import cutlass
@@ -57,6 +61,15 @@ def fma_f32(a: cutlass.Float32, b: cutlass.Float32, c: cutlass.Float32) -> cutla
     """``a * b + c`` rounded once (the combine kernel's FFMA)."""
     return cute.arch.inline_ptx(
         "fma.rn.f32 {$w0}, {$r0}, {$r1}, {$r2};", write_only_types=[cutlass.Float32], read_only_args=[a, b, c]
+    )
+
+
+def st_cluster_b32(addr: cutlass.Int32, rank, word: cutlass.Uint32) -> None:
+    """Store ``word`` at shared address ``addr`` of the cluster's CTA ``rank`` (``mapa`` + ``st.shared::cluster``;
+    ``addr``: the same allocation's address in this CTA)."""
+    cute.arch.inline_ptx(
+        "{ .reg .b32 r; mapa.shared::cluster.u32 r, {$r0}, {$r1}; st.shared::cluster.b32 [r], {$r2}; }",
+        read_only_args=[addr, cutlass.Int32(rank), word],
     )
 
 
@@ -104,9 +117,15 @@ def combine_word(
     for k in range(top_k):
         y_row = cutlass.Int64((tok * top_k + k) * pair_rows)
         words.append(ld_global_cg_b32(y_base + (y_row * hidden + col) * 2))
+    combine_words(words, out, hidden, topk_weights, tok, col)
+
+
+def combine_words(words: list, out: cute.Tensor, hidden, topk_weights: cute.Tensor, tok, col) -> None:
+    """``out[tok, col:col + 2] = bf16(sum_k w[tok, k] * words[k])``, k in order, one FMA each from zero
+    (``words[k]``: pair k's two BF16 y values of those columns as one 32-bit word)."""
     lo = cutlass.Float32(0.0)
     hi = cutlass.Float32(0.0)
-    for k in range(top_k):
+    for k in range(len(words)):
         w = topk_weights[tok, k]
         lo = fma_f32(w, bf16_lo_to_f32(words[k]), lo)
         hi = fma_f32(w, bf16_hi_to_f32(words[k]), hi)
