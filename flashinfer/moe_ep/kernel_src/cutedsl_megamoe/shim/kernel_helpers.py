@@ -140,6 +140,7 @@ SRC_SYMBOLS: dict[str, SrcSymbol] = {
             "gemv_l2_prefetch",
             "gemv_fc1_k_warps",
             "gemv_early_ring",
+            "gemv_pair_cluster",
         ),
         call_params=QUANT_KERNEL_CALL,
     ),

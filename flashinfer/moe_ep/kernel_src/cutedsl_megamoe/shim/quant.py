@@ -73,7 +73,10 @@ class QuantKnobs:
     is pair b of ``topk_ids``, FC1 prepares its token's row itself (no routing, no gather kernel), so
     FC1 is the layer's first kernel (``fc1_early_weights`` and ``gather_early_rows`` off); it serves
     ``T * top_k <= num_experts`` (the workspace's rows; ``launch_token_limit``). ``pair_combine`` (with
-    ``pair_blocks``): FC2 combines the pairs itself (the combine kernel's bits), no combine kernel."""
+    ``pair_blocks``): FC2 combines the pairs itself (the combine kernel's bits), no combine kernel.
+    ``gemv_pair_cluster`` (with ``pair_combine``, ``top_k <= 8``; drop v56): FC2's ``top_k`` CTAs of a token's row
+    warp run as one cluster and combine in its rank-0 CTA's shared memory (the same bits; no y rows, counters or
+    atomics)."""
 
     tile_m: int = 128
     fc1_tile_n: int = 256
@@ -100,6 +103,7 @@ class QuantKnobs:
     gemv_early_ring: bool = False
     pair_blocks: bool = False
     pair_combine: bool = False
+    gemv_pair_cluster: bool = False
 
     @property
     def grid(self) -> int:
@@ -269,6 +273,10 @@ class QuantFrontend(KernelFrontend):
             raise ValueError("pair_blocks needs gemv=True (the GEMV's pair chain)")
         if k.gemv_early_ring and not (k.gemv and k.fc2_early_weights):
             raise ValueError("gemv_early_ring needs gemv=True and fc2_early_weights=True (FC2's early weight copies)")
+        if k.gemv_pair_cluster and not k.pair_combine:
+            raise ValueError("gemv_pair_cluster needs pair_combine=True (FC2's combine of the pairs)")
+        if k.gemv_pair_cluster and self.geometry.top_k > 8:
+            raise ValueError(f"gemv_pair_cluster: a cluster holds at most 8 CTAs, top_k={self.geometry.top_k}")
         if k.pair_blocks and (k.fc1_early_weights or k.gather_early_rows):
             raise ValueError(
                 "pair_blocks makes FC1 the layer's first kernel (it reads topk_ids after its wait, and there is no "
@@ -312,6 +320,7 @@ class QuantFrontend(KernelFrontend):
             gemv_l2_prefetch=k.gemv_l2_prefetch,
             gemv_fc1_k_warps=k.gemv_fc1_k_warps,
             gemv_early_ring=k.gemv_early_ring,
+            gemv_pair_cluster=k.gemv_pair_cluster,
         )
         return kh.export_moe_quant(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)
 

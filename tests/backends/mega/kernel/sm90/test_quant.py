@@ -209,6 +209,14 @@ def test_config_validation() -> None:
         bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={**gemv, "gemv_stages": 3, "gemv_fc1_k_warps": 4}), 8)
         with pytest.raises(MoEEpConfigError, match="gemv_early_ring needs gemv=True and fc2_early_weights=True"):
             bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={**gemv, "gemv_early_ring": True}), 8)
+        pairs = {**gemv, "fc2_early_weights": True, "pair_blocks": True}
+        with pytest.raises(MoEEpConfigError, match="gemv_pair_cluster needs pair_combine=True"):
+            bucket_frontends(CONFIG[fmt](256, 128, 16, 2, knobs={**pairs, "gemv_pair_cluster": True}), 16)
+        with pytest.raises(MoEEpConfigError, match="a cluster holds at most 8 CTAs, top_k=9"):
+            bucket_frontends(CONFIG[fmt](256, 128, 32, 9, knobs={**pairs, "pair_combine": True,
+                                                                 "gemv_pair_cluster": True}), 32)  # fmt: skip
+        clustered = {**pairs, "pair_combine": True, "gemv_pair_cluster": True}
+        bucket_frontends(CONFIG[fmt](256, 128, 32, 8, knobs=clustered), 32)  # top_k 8: a cluster of 8
         with pytest.raises(MoEEpConfigError, match="gemv_l2_prefetch needs gemv=True"):
             bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 16, "swap_ab": True,
                                                                 "gemv_l2_prefetch": True}), 8)  # fmt: skip
@@ -776,6 +784,26 @@ def test_gemv_early_ring_copies_the_whole_ring_before_the_wait(tmp_path: Path, f
         early.append(sum(1 for line in gemvs[1][:wait] if re.search(r"\bLDGSTS", line)))
         fc1.append(gemvs[0])
     assert early == [16, 32], (fmt, early)
+    assert fc1[0] == fc1[1], fmt
+
+
+@pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")
+@pytest.mark.skipif(kernel_resources.find_cuobjdump() is None, reason="needs cuobjdump (pip install .[test])")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gemv_pair_cluster_combines_through_a_cluster_barrier(tmp_path: Path, fmt: str) -> None:
+    """``gemv_pair_cluster`` (drop v56) on the pair chain: FC2 meets its cluster twice (an arrive and a wait at its
+    start and after its slot stores: ``UCGABAR_ARV`` / ``UCGABAR_WAIT``) and counts nothing (no ``ATOM``); without
+    the knob it has no cluster barrier and counts with one atomic; FC1 is the same kernel either way."""
+    ops, fc1 = [], []
+    barriers = ("UCGABAR_ARV", "UCGABAR_WAIT")
+    for on in (False, True):
+        gemvs = _pair_chain_gemv_sass(tmp_path, "gemv_pair_cluster", on, fmt)
+        count = {op: sum(1 for line in gemvs[1] if re.search(rf"\b{op}\b", line)) for op in barriers}
+        count["ATOM"] = sum(1 for line in gemvs[1] if re.search(r"\bATOMG?\.", line))
+        ops.append(count)
+        fc1.append(gemvs[0])
+    assert ops[0] == {"UCGABAR_ARV": 0, "UCGABAR_WAIT": 0, "ATOM": 1}, (fmt, ops[0])
+    assert ops[1] == {"UCGABAR_ARV": 2, "UCGABAR_WAIT": 2, "ATOM": 0}, (fmt, ops[1])
     assert fc1[0] == fc1[1], fmt
 
 

@@ -305,6 +305,17 @@ GPU_VARIANTS = [
     ("mxfp8-small1024-swiglu-gemv-fc1k8-ring-fc2k2", "mxfp8",
      {**SMALL, "hidden_size": 1024, "intermediate_size": 512, "activation": "swiglu", "activation_limit": None,
       "knobs": {**next(b for b in BUCKETS if b.name == "gemv8r").knobs_for("mxfp8"), "gemv_k_warps": 2}}),
+] + [
+    # FC2's pairs combined in a cluster of top_k CTAs (gemv_pair_cluster, drop v56): the small layer (clusters of 4),
+    # gemv8k8's and gemv8's knobs on qwen3-30b-a3b (clusters of 8)
+    (f"{fmt}-small-swiglu-pairs-combine-cluster", fmt,
+     {**SMALL, "activation": "swiglu", "activation_limit": None,
+      "knobs": {**PAIR_KNOBS, "pair_combine": True, "gemv_pair_cluster": True}})
+    for fmt in FORMATS
+] + [
+    (f"{fmt}-qwen3-30b-a3b-pairs-combine-{bucket}-cluster", fmt,
+     {**QWEN3_30B, "knobs": {**next(b for b in BUCKETS if b.name == bucket).knobs_for(fmt), "gemv_pair_cluster": True}})
+    for fmt in FORMATS for bucket in ("gemv8k8", "gemv8")
 ]  # fmt: skip
 
 

@@ -515,6 +515,7 @@ WORLD1_KNOBS = (
     "gemv_l2_prefetch",
     "gemv_fc1_k_warps",
     "gemv_early_ring",
+    "gemv_pair_cluster",
     "pair_blocks",
     "pair_combine",
     "swap_tma_store",
