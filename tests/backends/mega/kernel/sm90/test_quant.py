@@ -353,7 +353,8 @@ def test_nvfp4_sparse16_serves_while_its_fc1_fits_one_wave(fmt: str) -> None:
 def test_gemv8_serves_its_formats_pairs_and_hidden_sizes(fmt: str) -> None:
     """The expert GEMV buckets (sessions 24, 32, 33 and 40 A/B; session 39's wider range was a misread A/B, undone
     in session 40): ``gemv8k8`` (FC1 over 8 GEMV warps; MXFP8's FC2 too, session 41) up to 1/16 pair per expert,
-    ``gemv8`` up to 1/8 (T = 1 and T = 2 on the qwen3 contracts), where H <= 2048 (qwen3-30b-a3b; qwen3-235b-a22b's
+    ``gemv8`` up to 1/8 (T = 1 and T = 2 on the qwen3 contracts; NVFP4's ``gemv8k8`` combining in clusters, session
+    45), where H <= 2048 (qwen3-30b-a3b; qwen3-235b-a22b's
     4096 and deepseek-v3's 7168 keep the swap-AB buckets), in both formats, with the pair chain and without the L2
     prefetches (measured slower), and never for callers that give no H, nor in an EP layer (its knobs are
     world-size-1 knobs)."""
@@ -377,13 +378,25 @@ def test_gemv8_serves_its_formats_pairs_and_hidden_sizes(fmt: str) -> None:
                 assert fes[b].pair_blocks_max_tokens >= last
             assert fes["gemv8k8"].knobs == dataclasses.replace(fes["gemv8"].knobs, gemv_fc1_k_warps=8,
                                                                gemv_k_warps=8 if fmt == "mxfp8" else 4,
-                                                               gemv_early_ring=False, gemv_stages=2)  # fmt: skip
+                                                               gemv_early_ring=False, gemv_stages=2,
+                                                               gemv_pair_cluster=fmt == "nvfp4")  # fmt: skip
             assert fes["gemv8"].knobs.gemv_early_ring == (fmt == "mxfp8")  # session 42
+            assert not fes["gemv8"].knobs.gemv_pair_cluster  # session 45
         else:
             assert not set(gemvs) & (set(picks) | set(fes)), (name, picks)  # no kernel built for them
         assert not set(gemvs) & {token_bucket(t, c.top_k, c.num_experts, fmt, fes) for t in range(1, 10)}
         assert not set(gemvs) & set(bucket_frontends(cfg, c.num_experts // 2, EpPlacement(2)))
     assert not set(gemvs) & {b.name for b in ep_buckets(2)}
+
+
+def test_gemv8k8_clusters_the_pairs_only_where_a_cluster_holds_them() -> None:
+    """NVFP4's ``gemv8k8`` sets ``gemv_pair_cluster`` (session 45) where top_k <= 8; a layer of top_k 9 keeps the
+    bucket's GEMV pair chain with the counters' combine (not the fallback tiles), and MXFP8 never clusters."""
+    for top_k, clustered in ((8, True), (9, False)):
+        cfg = CONFIG["nvfp4"](2048, 768, 16 * top_k, top_k)
+        k = bucket_frontends(cfg, cfg.num_experts)["gemv8k8"].knobs
+        assert k.gemv and k.pair_combine and k.tile_m == 8 and k.gemv_pair_cluster == clustered, top_k
+    assert "gemv_pair_cluster" not in next(b for b in BUCKETS if b.name == "gemv8k8").knobs_for("mxfp8")
 
 
 def test_routed_gemv_serves_mxfp8_from_one_eighth_to_one_pair_per_expert() -> None:

@@ -203,6 +203,10 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
         self.workspace = {}
 
 
+#: the most CTAs a cluster holds portably (``gemv_pair_cluster`` puts a token's top_k pairs in one)
+PAIR_CLUSTER_MAX = 8
+
+
 @dataclass(frozen=True)
 class TokenBucket:
     """One token bucket of the block-scaled backends: the T it serves (up to ``max_pairs_per_expert`` =
@@ -275,9 +279,14 @@ class TokenBucket:
             return False
         return self.max_hidden is None or (hidden is not None and hidden <= self.max_hidden)
 
-    def knobs_for(self, fmt: str) -> dict[str, Any]:
-        """The knobs this bucket sets for weight format ``fmt``."""
-        return {**self.knobs, **self.format_knobs.get(fmt, {})}
+    def knobs_for(self, fmt: str, top_k: int | None = None) -> dict[str, Any]:
+        """The knobs this bucket sets for weight format ``fmt``; with ``top_k`` (the layer's) without
+        ``gemv_pair_cluster`` where a cluster cannot hold the token's pairs (``top_k > PAIR_CLUSTER_MAX``: the
+        bucket's GEMV then combines through its counters, as before drop v56)."""
+        knobs = {**self.knobs, **self.format_knobs.get(fmt, {})}
+        if top_k is not None and top_k > PAIR_CLUSTER_MAX:
+            knobs.pop("gemv_pair_cluster", None)
+        return knobs
 
 
 #: Token buckets, in order. Measured on the H200 (TUNING.md; qwen3-30b-a3b, qwen3-235b-a22b, deepseek-v3,
@@ -407,6 +416,12 @@ class TokenBucket:
 #:   0.844, 0.835 (four runs in two calls); FC2 over 2 warps with 2 stages 0.904-0.917. Not at T = 1 (``gemv8k8``:
 #:   1.09-1.15, its 256 FC2 CTAs fit one wave already) nor for MXFP8 at T = 2 (12 K units: 1.03; 3 stages with 4
 #:   warps 1.10).
+#: - NVFP4's ``gemv8k8`` combines each token's pairs in a cluster of its top_k FC2 CTAs (``gemv_pair_cluster``, drop
+#:   v56; where top_k <= 8, ``knobs_for``): no y rows, counter, fence or atomic after FC2's epilogue. Session 45, H100,
+#:   the bench in graphs of 8 layers, qwen3-30b-a3b T = 1, six runs in three calls: 0.916-0.922 of the counters'
+#:   time (18.6 -> 17.1 us a layer) and once 0.958. Not for MXFP8 at T = 1 (its 8-warp FC2 CTAs of 112 KiB: 1.11-1.12;
+#:   over 4 warps with the cluster 1.007-1.009 of the 8 warps without) nor at T = 2 (``gemv8``: MXFP8 1.095, NVFP4
+#:   1.075-1.079).
 _EARLY = {"fc2_early_weights": True, "gather_early_rows": True}
 _GATHER = {"swap_ab": True, "gather_in_fc1": True, **_EARLY}
 _NARROW = {"swap_narrow": True}
@@ -439,7 +454,7 @@ BUCKETS = (
         {**_GEMV8, "gemv_fc1_k_warps": 8},
         max_pairs_per_expert=0.0625,
         fallback="decode",
-        format_knobs={"mxfp8": {"gemv_k_warps": 8}},
+        format_knobs={"mxfp8": {"gemv_k_warps": 8}, "nvfp4": {"gemv_pair_cluster": True}},
         formats=("mxfp8", "nvfp4"),
         max_hidden=2048,
     ),
@@ -564,7 +579,8 @@ def bucket_frontends(
     fronts: dict[str, Any] = {}
     for b in buckets:
         try:
-            fronts[b.name] = make_frontend(config, num_local_experts, b.knobs_for(config.weight_format), ep)
+            knobs = b.knobs_for(config.weight_format, config.top_k)
+            fronts[b.name] = make_frontend(config, num_local_experts, knobs, ep)
         except MoEEpConfigError:
             if b.fallback not in fallbacks:
                 fallbacks[b.fallback] = make_frontend(config, num_local_experts, FALLBACKS[b.fallback] or None, ep)
