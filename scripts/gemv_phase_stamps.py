@@ -16,7 +16,7 @@ phase, the spread over the CTAs in us after FC1's first CTA passed its ``griddep
     there: PYTHONPATH=$PWD/.run/stamps:$PYTHONPATH FLASHINFER_MOE_EP_KERNEL_CACHE=.kcache-stamps \\
            python scripts/gemv_phase_stamps.py run --contract qwen3-30b-a3b --fmt mxfp8 nvfp4 --tokens 1 2
 
-The patch anchors on drop v55's ``gemv.py`` text and refuses a source it does not match. The stamps cost the layer
+The patch anchors on drop v56's ``gemv.py`` text and refuses a source it does not match. The stamps cost the layer
 about 1.5 us (qwen3-30b-a3b T = 1 on an H100).
 """
 
@@ -44,7 +44,7 @@ def _stamp(addr):
 
 ROW_WARP_ROWS = constants.GEMV_ROW_WARP_ROWS"""
 
-#: (anchor in v55's gemv.py, replacement): each anchor must occur exactly once
+#: (anchor in v56's gemv.py, replacement): each anchor must occur exactly once
 EDITS = [
     ("ROW_WARP_ROWS = constants.GEMV_ROW_WARP_ROWS", _HELPER),
     (
@@ -85,18 +85,22 @@ EDITS = [
         "            # K slices -> warp 0, summed in warp order\n",
     ),
     (
-        "            cute.arch.barrier()\n            if warp == 0:\n",
-        "            cute.arch.barrier()\n            if st_ok:\n                _stamp(st_base + 56)\n"
-        "            if warp == 0:\n",
+        "            if warp == 0:\n                for r in cutlass.range_constexpr(n_acc):\n",
+        "            if st_ok:\n                _stamp(st_base + 56)\n"
+        "            if warp == 0:\n                for r in cutlass.range_constexpr(n_acc):\n",
     ),
     (
-        "                if cutlass.const_expr(self.pair_combine):\n",
+        "                if cutlass.const_expr(self.pair_combine and not self.pair_cluster):\n",
         "                if st_ok:\n                    _stamp(st_base + 64)\n"
-        "                if cutlass.const_expr(self.pair_combine):\n",
+        "                if cutlass.const_expr(self.pair_combine and not self.pair_cluster):\n",
     ),
     (
         "self.tok_tile, col)\n",
         "self.tok_tile, col)\n                        if st_ok:\n                            _stamp(st_base + 32)\n",
+    ),
+    (  # gemv_pair_cluster (drop v56): rank 0's combine ends the token's row warp
+        "m_blk // n_pairs, col)\n",
+        "m_blk // n_pairs, col)\n                        if st_ok:\n                            _stamp(st_base + 32)\n",
     ),
 ]
 
@@ -108,9 +112,12 @@ def patch(tree: Path) -> int:
         print("patch: refusing this checkout's drop; give a git worktree copy", file=sys.stderr)
         return 1
     src = path.read_text()
+    if "def _stamp(" in src:
+        print(f"patch: {path} is stamped already", file=sys.stderr)
+        return 1
     for anchor, new in EDITS:
         if src.count(anchor) != 1:
-            print(f"patch: {path} does not match drop v55 at {anchor.strip()[:60]!r}", file=sys.stderr)
+            print(f"patch: {path} does not match drop v56 at {anchor.strip()[:60]!r}", file=sys.stderr)
             return 1
         src = src.replace(anchor, new)
     path.write_text(src)

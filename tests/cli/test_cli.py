@@ -184,7 +184,7 @@ def test_gpu_session_multigpu_keeps_the_auto_knobs(monkeypatch, tmp_path) -> Non
 
 def test_gemv_phase_stamps_patches_a_copy_of_this_drop_once(tmp_path) -> None:
     """``scripts/gemv_phase_stamps.py patch`` stamps a copy of this drop's ``gemv.py`` (every anchor found once; the
-    stamps land in the GEMV's output buffer), then refuses the patched copy (its anchors no longer match) and this
+    stamps land in the GEMV's output buffer), then refuses the patched copy (stamped already) and this
     checkout's own drop. A new drop that moves the anchors fails here, so the diagnostic is updated with it."""
     import importlib.util
     import shutil
@@ -200,7 +200,7 @@ def test_gemv_phase_stamps_patches_a_copy_of_this_drop_once(tmp_path) -> None:
     shutil.copy(root / stamps.GEMV, copy)
     assert stamps.patch(tmp_path) == 0
     text = copy.read_text()
-    assert text.count("_stamp(st_base") == 10 and "mC.iterator.toint()" in text
+    assert text.count("_stamp(st_base") == 11 and "mC.iterator.toint()" in text  # v56: + the cluster combine's end
     compile(text, str(copy), "exec")  # still Python
     assert stamps.patch(tmp_path) == 1 and copy.read_text() == text  # nothing half-done
     assert stamps.patch(root) == 1
