@@ -37,7 +37,7 @@ from .shim.frontend import (
 )
 from .shim.mxfp8 import Mxfp8EpFrontend, Mxfp8Frontend
 from .shim.nvfp4 import Nvfp4EpFrontend, Nvfp4Frontend
-from .shim.quant import PackedQuantWeights, QuantFrontend, QuantKnobs, default_quant_knobs
+from .shim.quant import PAIR_CLUSTER_MAX, PackedQuantWeights, QuantFrontend, QuantKnobs, default_quant_knobs
 from .shim.quant_ep import QuantEpFrontend, QuantEpKnobs
 from .shim.vendor import check_manifest, read_vendor, source_digest
 
@@ -56,6 +56,7 @@ __all__ = [
     "NEXT_STEPS",
     "Nvfp4EpFrontend",
     "Nvfp4Frontend",
+    "PAIR_CLUSTER_MAX",
     "PackedQuantWeights",
     "QuantEpFrontend",
     "QuantEpKnobs",

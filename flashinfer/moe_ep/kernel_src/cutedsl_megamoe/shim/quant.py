@@ -28,6 +28,10 @@ MAX_SWAP_STAGGER = 8
 SWAP_WG4_WORDS = 96
 
 
+#: the most CTAs a portable cluster holds: ``gemv_pair_cluster`` puts a token's top_k pairs in one
+PAIR_CLUSTER_MAX = 8
+
+
 @dataclass(frozen=True)
 class QuantKnobs:
     """Compile-time knobs of the quantized kernel (output-neutral but for ``swap_split_k``'s summation
@@ -275,8 +279,10 @@ class QuantFrontend(KernelFrontend):
             raise ValueError("gemv_early_ring needs gemv=True and fc2_early_weights=True (FC2's early weight copies)")
         if k.gemv_pair_cluster and not k.pair_combine:
             raise ValueError("gemv_pair_cluster needs pair_combine=True (FC2's combine of the pairs)")
-        if k.gemv_pair_cluster and self.geometry.top_k > 8:
-            raise ValueError(f"gemv_pair_cluster: a cluster holds at most 8 CTAs, top_k={self.geometry.top_k}")
+        if k.gemv_pair_cluster and self.geometry.top_k > PAIR_CLUSTER_MAX:
+            raise ValueError(
+                f"gemv_pair_cluster: a cluster holds at most {PAIR_CLUSTER_MAX} CTAs, top_k={self.geometry.top_k}"
+            )
         if k.pair_blocks and (k.fc1_early_weights or k.gather_early_rows):
             raise ValueError(
                 "pair_blocks makes FC1 the layer's first kernel (it reads topk_ids after its wait, and there is no "

@@ -203,10 +203,6 @@ class Sm90BlockScaledBackend(MegaKernelBackend):
         self.workspace = {}
 
 
-#: the most CTAs a cluster holds portably (``gemv_pair_cluster`` puts a token's top_k pairs in one)
-PAIR_CLUSTER_MAX = 8
-
-
 @dataclass(frozen=True)
 class TokenBucket:
     """One token bucket of the block-scaled backends: the T it serves (up to ``max_pairs_per_expert`` =
@@ -281,10 +277,12 @@ class TokenBucket:
 
     def knobs_for(self, fmt: str, top_k: int | None = None) -> dict[str, Any]:
         """The knobs this bucket sets for weight format ``fmt``; with ``top_k`` (the layer's) without
-        ``gemv_pair_cluster`` where a cluster cannot hold the token's pairs (``top_k > PAIR_CLUSTER_MAX``: the
+        ``gemv_pair_cluster`` where a cluster cannot hold the token's pairs (``top_k > drop.PAIR_CLUSTER_MAX``: the
         bucket's GEMV then combines through its counters, as before drop v56)."""
+        from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
+
         knobs = {**self.knobs, **self.format_knobs.get(fmt, {})}
-        if top_k is not None and top_k > PAIR_CLUSTER_MAX:
+        if top_k is not None and top_k > drop.PAIR_CLUSTER_MAX:
             knobs.pop("gemv_pair_cluster", None)
         return knobs
 
