@@ -260,8 +260,8 @@ def test_buckets_share_the_weight_layout(fmt: str) -> None:
         nvfp4_gemv8 = (b.name, fmt) == ("gemv8", "nvfp4")  # FC2 over 2 warps, FC1 over 4, 3-deep rings (session 43)
         assert k.gemv_fc1_k_warps == (8 if b.name in ("gemv8k8", "gemv8r") else 4 if nvfp4_gemv8 else None)
         assert k.gemv_stages == (3 if nvfp4_gemv8 else 2)
-        # FC2's whole ring before its wait: MXFP8's gemv8 and gemv8r (session 42)
-        assert k.gemv_early_ring == (b.name == "gemv8r" or (b.name, fmt) == ("gemv8", "mxfp8"))
+        # FC2's whole ring before its wait: MXFP8's gemv8 and gemv8r (session 42), and its gemv8k8 (session 46)
+        assert k.gemv_early_ring == (b.name == "gemv8r" or (fmt == "mxfp8" and b.name in ("gemv8", "gemv8k8")))
         # the pair chain (the GEMV buckets but the routed one: no routing, gather or combine kernel) and elsewhere
         # the gather, which quantizes its first items before it waits for the routing
         paired = gemv and b.name != "gemv8r"
@@ -353,11 +353,11 @@ def test_nvfp4_sparse16_serves_while_its_fc1_fits_one_wave(fmt: str) -> None:
 def test_gemv8_serves_its_formats_pairs_and_hidden_sizes(fmt: str) -> None:
     """The expert GEMV buckets (sessions 24, 32, 33 and 40 A/B; session 39's wider range was a misread A/B, undone
     in session 40): ``gemv8k8`` (FC1 over 8 GEMV warps; MXFP8's FC2 too, session 41) up to 1/16 pair per expert,
-    ``gemv8`` up to 1/8 (T = 1 and T = 2 on the qwen3 contracts; NVFP4's ``gemv8k8`` combining in clusters, session
-    45), where H <= 2048 (qwen3-30b-a3b; qwen3-235b-a22b's
-    4096 and deepseek-v3's 7168 keep the swap-AB buckets), in both formats, with the pair chain and without the L2
-    prefetches (measured slower), and never for callers that give no H, nor in an EP layer (its knobs are
-    world-size-1 knobs)."""
+    ``gemv8`` up to 1/8 (T = 1 and T = 2 on the qwen3 contracts; ``gemv8k8`` combining in clusters, NVFP4's since
+    session 45, MXFP8's with FC2 over 4 warps and its early ring since session 46), where H <= 2048 (qwen3-30b-a3b;
+    qwen3-235b-a22b's 4096 and deepseek-v3's 7168 keep the swap-AB buckets), in both formats, with the pair chain
+    and without the L2 prefetches (measured slower), and never for callers that give no H, nor in an EP layer (its
+    knobs are world-size-1 knobs)."""
     gemvs = ("gemv8k8", "gemv8")
     for name in ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3"):
         c = CONTRACTS[name]
@@ -370,16 +370,15 @@ def test_gemv8_serves_its_formats_pairs_and_hidden_sizes(fmt: str) -> None:
             assert not set(gemvs) & set(picks[last:]), (name, picks)
             for b in gemvs:
                 k = fes[b].knobs
-                fc2_warps = {("gemv8k8", "mxfp8"): 8, ("gemv8", "nvfp4"): 2}.get((b, fmt), 4)
+                fc2_warps = {("gemv8", "nvfp4"): 2}.get((b, fmt), 4)
                 stages = 3 if (b, fmt) == ("gemv8", "nvfp4") else 2  # session 43
                 assert k.gemv and k.tile_m == 8 and k.gemv_stages == stages and k.gemv_k_warps == fc2_warps
                 assert k.pair_blocks and k.pair_combine and not k.gemv_l2_prefetch
                 # every T the bucket serves fits one pair chain launch (T * top_k <= num_experts)
                 assert fes[b].pair_blocks_max_tokens >= last
-            assert fes["gemv8k8"].knobs == dataclasses.replace(fes["gemv8"].knobs, gemv_fc1_k_warps=8,
-                                                               gemv_k_warps=8 if fmt == "mxfp8" else 4,
-                                                               gemv_early_ring=False, gemv_stages=2,
-                                                               gemv_pair_cluster=fmt == "nvfp4")  # fmt: skip
+            assert fes["gemv8k8"].knobs == dataclasses.replace(fes["gemv8"].knobs, gemv_fc1_k_warps=8, gemv_k_warps=4,
+                                                               gemv_early_ring=fmt == "mxfp8", gemv_stages=2,
+                                                               gemv_pair_cluster=True)  # fmt: skip
             assert fes["gemv8"].knobs.gemv_early_ring == (fmt == "mxfp8")  # session 42
             assert not fes["gemv8"].knobs.gemv_pair_cluster  # session 45
         else:
@@ -390,13 +389,20 @@ def test_gemv8_serves_its_formats_pairs_and_hidden_sizes(fmt: str) -> None:
 
 
 def test_gemv8k8_clusters_the_pairs_only_where_a_cluster_holds_them() -> None:
-    """NVFP4's ``gemv8k8`` sets ``gemv_pair_cluster`` (session 45) where top_k <= 8; a layer of top_k 9 keeps the
-    bucket's GEMV pair chain with the counters' combine (not the fallback tiles), and MXFP8 never clusters."""
-    for top_k, clustered in ((8, True), (9, False)):
-        cfg = CONFIG["nvfp4"](2048, 768, 16 * top_k, top_k)
-        k = bucket_frontends(cfg, cfg.num_experts)["gemv8k8"].knobs
-        assert k.gemv and k.pair_combine and k.tile_m == 8 and k.gemv_pair_cluster == clustered, top_k
-    assert "gemv_pair_cluster" not in next(b for b in BUCKETS if b.name == "gemv8k8").knobs_for("mxfp8")
+    """``gemv8k8`` sets ``gemv_pair_cluster`` (NVFP4 since session 45; MXFP8 since session 46, with FC2 over 4 warps
+    and its early ring) where top_k <= 8; a layer of top_k 9 keeps the bucket's GEMV pair chain with the counters'
+    combine (not the fallback tiles), and MXFP8 there keeps FC2 over 8 warps without the early ring."""
+    for fmt in FORMATS:
+        for top_k, clustered in ((8, True), (9, False)):
+            cfg = CONFIG[fmt](2048, 768, 16 * top_k, top_k)
+            k = bucket_frontends(cfg, cfg.num_experts)["gemv8k8"].knobs
+            assert k.gemv and k.pair_combine and k.tile_m == 8 and k.gemv_pair_cluster == clustered, (fmt, top_k)
+            assert k.gemv_fc1_k_warps == 8 and k.gemv_stages == 2
+            mx_chain = fmt == "mxfp8" and not clustered  # session 41's MXFP8 chain: FC2 over 8 warps
+            assert k.gemv_k_warps == (8 if mx_chain else 4), (fmt, top_k)
+            assert k.gemv_early_ring == (fmt == "mxfp8" and clustered), (fmt, top_k)
+    bucket = next(b for b in BUCKETS if b.name == "gemv8k8")
+    assert bucket.knobs_for("mxfp8") == bucket.knobs_for("mxfp8", 8) != bucket.knobs_for("mxfp8", 9)
 
 
 def test_routed_gemv_serves_mxfp8_from_one_eighth_to_one_pair_per_expert() -> None:

@@ -209,7 +209,9 @@ class TokenBucket:
     T * top_k / experts, the average rows of an expert's GEMMs), the knobs it sets over the defaults, and
     the bucket whose knobs serve it where the swap-AB GEMMs cannot tile the shape (``fallback``), and per
     weight format the knobs that differ from ``knobs`` (``format_knobs``) and the bound where it differs
-    from ``max_pairs_per_expert`` (``format_max_pairs``). In the formats of ``one_wave`` the bucket
+    from ``max_pairs_per_expert`` (``format_max_pairs``), and per format the knobs that hold only where a cluster
+    holds a token's pairs (``cluster_knobs``: ``gemv_pair_cluster`` and what goes with it; where top_k is larger
+    the bucket runs without them). In the formats of ``one_wave`` the bucket
     serves only while its swap-AB FC1 fits one wave of its grid when every pair has an expert of its own
     (``min(T * top_k, experts)`` busy experts, of which a rank holds its share; one CTA tile per block
     of rows each), ``fc1_parts`` CTAs per tile (its split K); a bucket of more than one part serves only
@@ -225,6 +227,7 @@ class TokenBucket:
     fallback: str | None = None
     format_knobs: dict[str, dict[str, Any]] = field(default_factory=dict)
     format_max_pairs: dict[str, float] = field(default_factory=dict)
+    cluster_knobs: dict[str, dict[str, Any]] = field(default_factory=dict)
     one_wave: tuple[str, ...] = ()
     fc1_parts: int = 1
     formats: tuple[str, ...] | None = None
@@ -276,14 +279,14 @@ class TokenBucket:
         return self.max_hidden is None or (hidden is not None and hidden <= self.max_hidden)
 
     def knobs_for(self, fmt: str, top_k: int | None = None) -> dict[str, Any]:
-        """The knobs this bucket sets for weight format ``fmt``; with ``top_k`` (the layer's) without
-        ``gemv_pair_cluster`` where a cluster cannot hold the token's pairs (``top_k > drop.PAIR_CLUSTER_MAX``: the
-        bucket's GEMV then combines through its counters, as before drop v56)."""
+        """The knobs this bucket sets for weight format ``fmt``: with its ``cluster_knobs`` unless ``top_k`` (the
+        layer's, where given) is more than a cluster holds (``drop.PAIR_CLUSTER_MAX``: the bucket's GEMV then
+        combines through its counters, as before drop v56, with the format's knobs of that chain)."""
         from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
 
         knobs = {**self.knobs, **self.format_knobs.get(fmt, {})}
-        if top_k is not None and top_k > drop.PAIR_CLUSTER_MAX:
-            knobs.pop("gemv_pair_cluster", None)
+        if top_k is None or top_k <= drop.PAIR_CLUSTER_MAX:
+            knobs.update(self.cluster_knobs.get(fmt, {}))
         return knobs
 
 
@@ -420,6 +423,12 @@ class TokenBucket:
 #:   time (18.6 -> 17.1 us a layer) and once 0.958. Not for MXFP8 at T = 1 (its 8-warp FC2 CTAs of 112 KiB: 1.11-1.12;
 #:   over 4 warps with the cluster 1.007-1.009 of the 8 warps without) nor at T = 2 (``gemv8``: MXFP8 1.095, NVFP4
 #:   1.075-1.079).
+#: - MXFP8's ``gemv8k8`` combines in clusters too since session 46, with FC2 over 4 warps (56 KiB CTAs) copying its
+#:   whole 2-deep ring before its wait (``gemv_early_ring``): the same bench on an H100, four rounds in one call,
+#:   0.981-0.983 of the 8-warp FC2's time (21.67-21.80 -> 21.26-21.44 us a layer); the same without the early ring
+#:   0.992-1.002, the early ring without the cluster 1.077-1.086. FC2 over 4 warps 3 deep (every unit before the
+#:   wait; a candidate drop's ``gemv_fc1_stages``, not recorded) matched 8 warps alone but lost 17-20 % with the
+#:   cluster (80 KiB CTAs). Where top_k > 8 (no cluster) MXFP8 keeps FC2 over 8 warps (``cluster_knobs``).
 _EARLY = {"fc2_early_weights": True, "gather_early_rows": True}
 _GATHER = {"swap_ab": True, "gather_in_fc1": True, **_EARLY}
 _NARROW = {"swap_narrow": True}
@@ -452,7 +461,11 @@ BUCKETS = (
         {**_GEMV8, "gemv_fc1_k_warps": 8},
         max_pairs_per_expert=0.0625,
         fallback="decode",
-        format_knobs={"mxfp8": {"gemv_k_warps": 8}, "nvfp4": {"gemv_pair_cluster": True}},
+        format_knobs={"mxfp8": {"gemv_k_warps": 8}},
+        cluster_knobs={
+            "mxfp8": {"gemv_k_warps": 4, "gemv_early_ring": True, "gemv_pair_cluster": True},
+            "nvfp4": {"gemv_pair_cluster": True},
+        },
         formats=("mxfp8", "nvfp4"),
         max_hidden=2048,
     ),
