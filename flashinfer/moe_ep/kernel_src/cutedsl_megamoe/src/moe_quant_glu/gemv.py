@@ -60,6 +60,11 @@ for this GEMV): M block b is pair b of ``topk_ids`` (its expert, one real token 
   same BF16 values) into a row in shared memory, while the first units' weight copies are in flight;
   a CTA barrier, then every lane takes its token fragments from that row (all eight token columns
   the same row: the padding columns compute copies that are never read). No gather kernel runs.
+  ``row_tma`` (BF16 rows only): one thread requests the token's BF16 row into that shared row with a bulk copy
+  (the TMA unit, completing on an mbarrier) right after ``griddepcontrol.wait``, before the ``topk_ids`` read and
+  the weight copies; the warps then quantize-dequantize it in place from shared memory (the same functions, so
+  the same values). The row's bytes travel outside the SM's ``cp.async`` queue, where its loads otherwise wait
+  behind the first weight copies (TUNING.md, session 44).
 - ``pair_combine`` (FC2): after warp 0's epilogue has stored the pair's y row, the last of the
   token's ``top_k`` units of a row warp sums the token's k rows of those 64 columns into ``out``
   (``src.pair_combine``: the combine kernel's bits), with a counter per (token, row warp) in
@@ -79,7 +84,7 @@ from ..common import constants
 from ..common.host_utils import SM90_SMEM_BYTES, gemv_shared_bytes
 from ..src import block_quant as bq
 from ..src.pair_combine import combine_word, combine_words, count_in, publish_stores, reset_counter, st_cluster_b32
-from ..src.warp_ring import cp_async, cp_async_commit, cp_async_wait, mma_bf16_16816, prefetch_l2
+from ..src.warp_ring import bulk_copy_g2s, cp_async, cp_async_commit, cp_async_wait, mma_bf16_16816, prefetch_l2
 from .aux_kernels import ITEM, TOKEN_LANES, dequant_slot, item_bytes, qdq_slot
 from .swap_gemm import EPI_PLAIN, SwapDequantGemmSm90, pack_bf16x2
 
@@ -111,6 +116,7 @@ class GemvDequantSm90(SwapDequantGemmSm90):
         l2_prefetch: bool = False,
         early_ring: bool = False,
         pair_cluster: bool = False,
+        row_tma: bool = False,
     ) -> None:
         super().__init__(fmt, 16, epilogue, limit, 1, requant=requant, gscale_index=gscale_index)
         self.l2_prefetch = l2_prefetch
@@ -126,6 +132,9 @@ class GemvDequantSm90(SwapDequantGemmSm90):
         if pair_cluster and not pair_combine:
             raise ValueError("pair_cluster needs pair_combine")
         self.pair_cluster = pair_cluster
+        if row_tma and not (gather_x and not prequantized):
+            raise ValueError("row_tma needs gather_x with BF16 rows (not prequantized): it bulk-copies the BF16 row")
+        self.row_tma = row_tma
         self.pair_blocks = pair_blocks
         self.gather_x = gather_x
         self.prequantized = prequantized
@@ -289,8 +298,15 @@ class GemvDequantSm90(SwapDequantGemmSm90):
         if cutlass.const_expr(self.pair_cluster):
             slots = smem.allocate_tensor(Uint32, cute.make_layout(topk_weights.shape[1] * ROW_WARP_ROWS // 2), 16)
             self._cluster_slot = bq.smem_addr(slots.iterator) + slot_k * (ROW_WARP_ROWS * 2)
+        row_bar = None  # row_tma: the mbarrier the row's bulk copy completes on
         if cutlass.const_expr(self.gather_x):
             x_row = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout((1, self.k)), 16)
+        if cutlass.const_expr(self.row_tma):
+            row_bar = smem.allocate_tensor(Int64, cute.make_layout(1), 8).iterator
+            if tidx == 0:
+                cute.arch.mbarrier_init(row_bar, 1)
+                cute.arch.mbarrier_init_fence()
+            cute.arch.barrier()  # the mbarrier is initialized before any thread waits on it
         kw = self.k_warps
         mine = cutlass.max(n_units - warp + kw - 1, 0) // kw  # this warp's K units
         if cutlass.const_expr(self.early_w):
@@ -313,6 +329,13 @@ class GemvDequantSm90(SwapDequantGemmSm90):
         cute.arch.griddepcontrol_wait()
         if cutlass.const_expr(self.trigger_after_wait):
             cute.arch.griddepcontrol_launch_dependents()
+        if cutlass.const_expr(self.row_tma):  # the token's row, ahead of the topk_ids read and the weight copies
+            if tidx == 0:
+                if m_blk < self._num_blocks(meta, topk_ids):
+                    row_bytes = self.k * 2
+                    cute.arch.mbarrier_arrive_and_expect_tx(row_bar, row_bytes)
+                    row_at = mX.iterator.toint() + Int64(m_blk // topk_ids.shape[1]) * mX.shape[1] * 2
+                    bulk_copy_g2s(bq.smem_addr(x_row.iterator), row_at, row_bytes, bq.smem_addr(row_bar))
 
         if m_blk < self._num_blocks(meta, topk_ids):
             block = self._block_entry(m_block_expert, topk_ids, m_blk)
@@ -333,7 +356,11 @@ class GemvDequantSm90(SwapDequantGemmSm90):
             if cutlass.const_expr(self.l2_prefetch and not self.early_w):
                 self._prefetch_units(mW, mS, expert, warp, mine, k_tiles, n_rows, row_warp, lane)
             if cutlass.const_expr(self.gather_x):  # while those weights stream in
-                self._prepare_token_row(mX, mXs, act_gscale, m_blk // topk_ids.shape[1], x_row, warp, lane)
+                if cutlass.const_expr(self.row_tma):  # in place, from the bulk-copied row
+                    cute.arch.mbarrier_wait(row_bar, 0)
+                    self._prepare_token_row(x_row, mXs, act_gscale, 0, x_row, warp, lane)
+                else:
+                    self._prepare_token_row(mX, mXs, act_gscale, m_blk // topk_ids.shape[1], x_row, warp, lane)
                 cute.arch.barrier()
             for i in cutlass.range(mine, unroll=1):
                 nxt = i + self.stages - 1
@@ -428,7 +455,8 @@ class GemvDequantSm90(SwapDequantGemmSm90):
     def _prepare_token_row(self, mX, mXs, act_gscale, tok, x_row, warp, lane) -> None:
         """``gather_x``: token ``tok``'s activation row into ``x_row`` as the gather prepares it (items of 32
         elements over ``TOKEN_LANES`` lanes, the block amax by shuffles; warp-uniform trip counts, lanes past
-        the end redo the last slot and store nothing)."""
+        the end redo the last slot and store nothing). ``row_tma`` passes ``x_row`` itself as ``mX`` (token 0): each
+        lane rewrites only the 16 bytes it read, after the item's shuffles, so in place is safe."""
         lanes = TOKEN_LANES
         per_lane = ITEM // lanes
         j = lane % lanes

@@ -119,6 +119,9 @@ class Sm90MegaMoEQuantKernel:
     :param gemv_pair_cluster: (``pair_combine`` only, ``top_k <= 8``) FC2's ``top_k`` units of a token's row warp run
         as one cluster and meet in the shared memory of its rank-0 CTA, which sums them (the same bits); no y
         rows, counters or atomics (``GemvDequantSm90(pair_cluster=True)``).
+    :param gemv_row_tma: (``pair_blocks`` only, BF16 rows: not ``prequantized``) FC1 requests its token's BF16 row
+        into shared memory with one bulk copy (TMA, on an mbarrier) right after its wait, before the ``topk_ids``
+        read and its weight copies, and quantizes it there (``GemvDequantSm90(row_tma=True)``; the same values).
     :param prequantized: ``x`` holds the activation codes in the format (uint8: E4M3 [T, H] or E2M1
         pairs [T, H/2]) and ``x_scale`` their block scales (uint8: UE8M0 [T, H/32] or E4M3 [T, H/16]);
         otherwise ``x`` is bf16 [T, H], quantized by the kernel, and ``x_scale`` is not read.
@@ -160,6 +163,7 @@ class Sm90MegaMoEQuantKernel:
         gemv_fc1_k_warps: int | None = None,
         gemv_early_ring: bool = False,
         gemv_pair_cluster: bool = False,
+        gemv_row_tma: bool = False,
     ) -> None:
         if swap_narrow and not swap_ab:
             raise ValueError("swap_narrow needs the swap-AB GEMMs (swap_ab=True)")
@@ -171,6 +175,8 @@ class Sm90MegaMoEQuantKernel:
             raise ValueError("pair_combine needs pair_blocks")
         if gemv_pair_cluster and not pair_combine:
             raise ValueError("gemv_pair_cluster needs pair_combine")
+        if gemv_row_tma and not (pair_blocks and not prequantized):
+            raise ValueError("gemv_row_tma needs pair_blocks and BF16 rows (prequantized=False)")
         if gemv_l2_prefetch and not gemv:
             raise ValueError("gemv_l2_prefetch needs the GEMV (gemv=True)")
         if gemv_fc1_k_warps is not None and not gemv:
@@ -219,7 +225,7 @@ class Sm90MegaMoEQuantKernel:
             fmt, tile_m, fc1_tile_n, fc2_tile_n, activation, limit, num_sms, fc1_stages, fc2_stages, swap_ab, swap_wg,
             probe, bf_buffers, swap_atoms, swap_stagger, gather_in_fc1, swap_split_k, fc2_early_weights,
             fc1_early_weights, gemv, gemv_k_warps, gemv_stages, pair_blocks, prequantized, pair_combine, swap_narrow,
-            swap_tma_store, gemv_l2_prefetch, gemv_fc1_k_warps, gemv_early_ring, gemv_pair_cluster,
+            swap_tma_store, gemv_l2_prefetch, gemv_fc1_k_warps, gemv_early_ring, gemv_pair_cluster, gemv_row_tma,
         )  # fmt: skip
 
     @cute.jit
@@ -352,6 +358,7 @@ def quant_gemms(
     gemv_fc1_k_warps: int | None = None,
     gemv_early_ring: bool = False,
     gemv_pair_cluster: bool = False,
+    gemv_row_tma: bool = False,
 ) -> tuple:
     """FC1 (the activation and the requantization to the FC2 input format in its epilogue) and FC2 of the
     block-scaled kernels (world size 1 and EP): the swap-AB GEMMs (weights dequantized in registers,
@@ -367,13 +374,15 @@ def quant_gemms(
     ``gemv_l2_prefetch``: the GEMVs' bulk L2 prefetches of their later K units
     (``GemvDequantSm90(l2_prefetch=True)``); ``gemv_fc1_k_warps``: FC1's GEMV warps (None: ``gemv_k_warps``);
     ``gemv_early_ring``: FC2's GEMV copies its whole ring's weights before its wait; ``gemv_pair_cluster``: FC2's
-    GEMV combines each token's pairs in a cluster of its ``top_k`` CTAs."""
+    GEMV combines each token's pairs in a cluster of its ``top_k`` CTAs; ``gemv_row_tma``: FC1's GEMV bulk-copies its
+    token's BF16 row."""
     if gemv:
         fc1_k_warps = gemv_k_warps if gemv_fc1_k_warps is None else gemv_fc1_k_warps
         fc1 = GemvDequantSm90(fmt, tile_m, activation, limit, requant=True, k_warps=fc1_k_warps,
                               early_w=fc1_early_weights, trigger_after_wait=fc2_early_weights,
                               stages=gemv_stages, pair_blocks=pair_blocks, gather_x=pair_blocks,
-                              prequantized=prequantized, l2_prefetch=gemv_l2_prefetch)  # fmt: skip
+                              prequantized=prequantized, l2_prefetch=gemv_l2_prefetch,
+                              row_tma=gemv_row_tma)  # fmt: skip
         fc2 = GemvDequantSm90(fmt, tile_m, "plain", None, gscale_index=1, k_warps=gemv_k_warps,
                               early_w=fc2_early_weights, stages=gemv_stages, pair_blocks=pair_blocks,
                               pair_combine=pair_combine, l2_prefetch=gemv_l2_prefetch,

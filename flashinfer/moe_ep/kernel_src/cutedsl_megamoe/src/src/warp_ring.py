@@ -35,6 +35,16 @@ def prefetch_l2(src: Int64, size: Int32) -> None:
     cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};", read_only_args=[src, size])
 
 
+def bulk_copy_g2s(dst: Int32, src: Int64, size: int, mbar: Int32) -> None:
+    """``size`` bytes (a multiple of 16; both addresses 16-byte aligned) global -> shared through the TMA unit
+    (``cp.async.bulk``), completing ``size`` transaction bytes on the shared mbarrier at ``mbar`` (the caller
+    arrives on it with ``expect_tx`` first). Not a ``cp.async`` group: wait on the mbarrier."""
+    cute.arch.inline_ptx(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{$r0}], [{$r1}], {$r2}, [{$r3}];",
+        read_only_args=[dst, src, Int32(size), mbar],
+    )
+
+
 def cp_async_commit() -> None:
     cute.arch.inline_ptx("cp.async.commit_group;")
 
