@@ -141,6 +141,7 @@ SRC_SYMBOLS: dict[str, SrcSymbol] = {
             "gemv_fc1_k_warps",
             "gemv_early_ring",
             "gemv_pair_cluster",
+            "gemv_row_tma",
         ),
         call_params=QUANT_KERNEL_CALL,
     ),

@@ -80,7 +80,9 @@ class QuantKnobs:
     ``pair_blocks``): FC2 combines the pairs itself (the combine kernel's bits), no combine kernel.
     ``gemv_pair_cluster`` (with ``pair_combine``, ``top_k <= 8``; drop v56): FC2's ``top_k`` CTAs of a token's row
     warp run as one cluster and combine in its rank-0 CTA's shared memory (the same bits; no y rows, counters or
-    atomics)."""
+    atomics). ``gemv_row_tma`` (with ``pair_blocks``, BF16 activations; drop v57): FC1 requests its token's BF16 row
+    into shared memory with one bulk copy right after its wait, ahead of the ``topk_ids`` read and its weight
+    copies, and quantizes it there (the same values)."""
 
     tile_m: int = 128
     fc1_tile_n: int = 256
@@ -108,6 +110,7 @@ class QuantKnobs:
     pair_blocks: bool = False
     pair_combine: bool = False
     gemv_pair_cluster: bool = False
+    gemv_row_tma: bool = False
 
     @property
     def grid(self) -> int:
@@ -283,6 +286,11 @@ class QuantFrontend(KernelFrontend):
             raise ValueError(
                 f"gemv_pair_cluster: a cluster holds at most {PAIR_CLUSTER_MAX} CTAs, top_k={self.geometry.top_k}"
             )
+        if k.gemv_row_tma and not (k.pair_blocks and not self.prequantized):
+            raise ValueError(
+                "gemv_row_tma needs pair_blocks=True and BF16 activations (it bulk-copies FC1's BF16 token row; "
+                "prequantized_input layers prepare theirs from the codes)"
+            )
         if k.pair_blocks and (k.fc1_early_weights or k.gather_early_rows):
             raise ValueError(
                 "pair_blocks makes FC1 the layer's first kernel (it reads topk_ids after its wait, and there is no "
@@ -327,6 +335,7 @@ class QuantFrontend(KernelFrontend):
             gemv_fc1_k_warps=k.gemv_fc1_k_warps,
             gemv_early_ring=k.gemv_early_ring,
             gemv_pair_cluster=k.gemv_pair_cluster,
+            gemv_row_tma=k.gemv_row_tma,
         )
         return kh.export_moe_quant(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)
 

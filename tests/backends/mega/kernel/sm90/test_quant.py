@@ -216,6 +216,13 @@ def test_config_validation() -> None:
             bucket_frontends(CONFIG[fmt](256, 128, 32, 9, knobs={**pairs, "pair_combine": True,
                                                                  "gemv_pair_cluster": True}), 32)  # fmt: skip
         clustered = {**pairs, "pair_combine": True, "gemv_pair_cluster": True}
+        # FC1's row by bulk copy (drop v57): the pair chain's BF16 row only
+        with pytest.raises(MoEEpConfigError, match="gemv_row_tma needs pair_blocks=True and BF16 activations"):
+            bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={**gemv, "gemv_row_tma": True}), 8)
+        with pytest.raises(MoEEpConfigError, match="gemv_row_tma needs pair_blocks=True and BF16 activations"):
+            bucket_frontends(CONFIG[fmt](256, 128, 16, 2, knobs={**pairs, "gemv_row_tma": True},
+                                         prequantized_input=True), 16)  # fmt: skip
+        bucket_frontends(CONFIG[fmt](256, 128, 16, 2, knobs={**pairs, "gemv_row_tma": True}), 16)
         bucket_frontends(CONFIG[fmt](256, 128, 32, 8, knobs=clustered), 32)  # top_k 8: a cluster of 8
         with pytest.raises(MoEEpConfigError, match="gemv_l2_prefetch needs gemv=True"):
             bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={"tile_m": 16, "swap_ab": True,
@@ -804,6 +811,26 @@ def test_gemv_early_ring_copies_the_whole_ring_before_the_wait(tmp_path: Path, f
         fc1.append(gemvs[0])
     assert early == [16, 32], (fmt, early)
     assert fc1[0] == fc1[1], fmt
+
+
+@pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")
+@pytest.mark.skipif(kernel_resources.find_cuobjdump() is None, reason="needs cuobjdump (pip install .[test])")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gemv_row_tma_requests_the_row_before_the_weights(tmp_path: Path, fmt: str) -> None:
+    """``gemv_row_tma`` (drop v57) on the pair chain: FC1 issues one bulk copy (``UBLKCP``) after its wait
+    (``ACQBULK``) and before its first weight copy (``LDGSTS``), and waits for it on an mbarrier; without the knob it
+    has neither; FC2 is the same kernel either way."""
+    fc2 = []
+    for on in (False, True):
+        fc1, second = _pair_chain_gemv_sass(tmp_path, "gemv_row_tma", on, fmt)
+        first = {op: next((j for j, line in enumerate(fc1) if re.search(rf"\b{op}", line)), None)
+                 for op in ("ACQBULK", "UBLKCP", "LDGSTS", "SYNCS.PHASECHK")}  # fmt: skip
+        if on:
+            assert first["ACQBULK"] < first["UBLKCP"] < first["LDGSTS"] < first["SYNCS.PHASECHK"], (fmt, first)
+        else:
+            assert first["UBLKCP"] is None and first["SYNCS.PHASECHK"] is None, (fmt, first)
+        fc2.append(second)
+    assert fc2[0] == fc2[1], fmt
 
 
 @pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")

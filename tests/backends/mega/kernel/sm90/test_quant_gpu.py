@@ -316,6 +316,22 @@ GPU_VARIANTS = [
     (f"{fmt}-qwen3-30b-a3b-pairs-combine-{bucket}-cluster", fmt,
      {**QWEN3_30B, "knobs": {**next(b for b in BUCKETS if b.name == bucket).knobs_for(fmt), "gemv_pair_cluster": True}})
     for fmt in FORMATS for bucket in ("gemv8k8", "gemv8")
+] + [
+    # FC1's token row by one bulk copy (gemv_row_tma, drop v57): the small layers (H = 256 / 1024: one / four items a
+    # warp) and gemv8k8's and gemv8's knobs on qwen3-30b-a3b
+    (f"{fmt}-small-{act}-pairs-combine-rowtma", fmt,
+     {**SMALL, "activation": act, "activation_limit": lim,
+      "knobs": {**PAIR_KNOBS, "pair_combine": True, "gemv_row_tma": True}})
+    for fmt in FORMATS for act, lim in (ACTIVATIONS[0], ACTIVATIONS[-1])
+] + [
+    (f"{fmt}-small1024-swiglu-pairs-combine-k2-rowtma", fmt,
+     {**SMALL, "hidden_size": 1024, "intermediate_size": 512, "activation": "swiglu", "activation_limit": None,
+      "knobs": {**PAIR_KNOBS, "pair_combine": True, "gemv_k_warps": 2, "gemv_row_tma": True}})
+    for fmt in FORMATS
+] + [
+    (f"{fmt}-qwen3-30b-a3b-pairs-combine-{bucket}-rowtma", fmt,
+     {**QWEN3_30B, "knobs": {**next(b for b in BUCKETS if b.name == bucket).knobs_for(fmt), "gemv_row_tma": True}})
+    for fmt in FORMATS for bucket in ("gemv8k8", "gemv8")
 ]  # fmt: skip
 
 

@@ -542,6 +542,7 @@ WORLD1_KNOBS = (
     "gemv_fc1_k_warps",
     "gemv_early_ring",
     "gemv_pair_cluster",
+    "gemv_row_tma",
     "pair_blocks",
     "pair_combine",
     "swap_tma_store",
