@@ -16,8 +16,9 @@ phase, the spread over the CTAs in us after FC1's first CTA passed its ``griddep
     there: PYTHONPATH=$PWD/.run/stamps:$PYTHONPATH FLASHINFER_MOE_EP_KERNEL_CACHE=.kcache-stamps \\
            python scripts/gemv_phase_stamps.py run --contract qwen3-30b-a3b --fmt mxfp8 nvfp4 --tokens 1 2
 
-The patch anchors on drop v56's ``gemv.py`` text and refuses a source it does not match. The stamps cost the layer
-about 1.5 us (qwen3-30b-a3b T = 1 on an H100).
+The patch anchors on drop v57's ``gemv.py`` text (v56's anchors all hold in it; with ``gemv_row_tma`` the "x row"
+stamp follows the mbarrier wait for the bulk-copied row and its quantization) and refuses a source it does not
+match. The stamps cost the layer about 1.5 us (qwen3-30b-a3b T = 1 on an H100).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _stamp(addr):
 
 ROW_WARP_ROWS = constants.GEMV_ROW_WARP_ROWS"""
 
-#: (anchor in v56's gemv.py, replacement): each anchor must occur exactly once
+#: (anchor in v57's gemv.py, replacement): each anchor must occur exactly once
 EDITS = [
     ("ROW_WARP_ROWS = constants.GEMV_ROW_WARP_ROWS", _HELPER),
     (
@@ -117,7 +118,7 @@ def patch(tree: Path) -> int:
         return 1
     for anchor, new in EDITS:
         if src.count(anchor) != 1:
-            print(f"patch: {path} does not match drop v56 at {anchor.strip()[:60]!r}", file=sys.stderr)
+            print(f"patch: {path} does not match drop v57 at {anchor.strip()[:60]!r}", file=sys.stderr)
             return 1
         src = src.replace(anchor, new)
     path.write_text(src)

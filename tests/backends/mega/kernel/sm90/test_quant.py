@@ -412,6 +412,22 @@ def test_gemv8k8_clusters_the_pairs_only_where_a_cluster_holds_them() -> None:
     assert bucket.knobs_for("mxfp8") == bucket.knobs_for("mxfp8", 8) != bucket.knobs_for("mxfp8", 9)
 
 
+def test_pair_chain_bulk_copies_bf16_rows_only() -> None:
+    """``gemv8k8`` and ``gemv8`` (the pair chain) set ``gemv_row_tma`` (session 47) where the layer's activations
+    arrive as BF16; a ``prequantized_input`` layer keeps the same buckets (the GEMV pair chain, not the fallback
+    tiles) with the same knobs but that one, its FC1 preparing the row from the codes as before."""
+    for fmt in FORMATS:
+        for top_k in (8, 9):
+            cfg = CONFIG[fmt](2048, 768, 16 * top_k, top_k)
+            pre = dataclasses.replace(cfg, prequantized_input=True)
+            bf16_fes, pre_fes = bucket_frontends(cfg, cfg.num_experts), bucket_frontends(pre, pre.num_experts)
+            for name in ("gemv8k8", "gemv8"):
+                k, kp = bf16_fes[name].knobs, pre_fes[name].knobs
+                assert k.pair_blocks and k.gemv_row_tma and kp.pair_blocks and not kp.gemv_row_tma, (fmt, top_k, name)
+                assert dataclasses.replace(k, gemv_row_tma=False) == kp, (fmt, top_k, name)
+            assert not any(fe.knobs.gemv_row_tma for b, fe in bf16_fes.items() if b not in ("gemv8k8", "gemv8"))
+
+
 def test_routed_gemv_serves_mxfp8_from_one_eighth_to_one_pair_per_expert() -> None:
     """``gemv8r`` (session 42): MXFP8's routed GEMV (FC1 over 8 warps, FC2's early ring, the routing, gather and
     combine kernels around it) past ``gemv8`` up to one pair per expert where H <= 2048 (qwen3-30b-a3b T = 3-16);

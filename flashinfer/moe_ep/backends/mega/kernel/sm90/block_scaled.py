@@ -211,7 +211,9 @@ class TokenBucket:
     weight format the knobs that differ from ``knobs`` (``format_knobs``) and the bound where it differs
     from ``max_pairs_per_expert`` (``format_max_pairs``), and per format the knobs that hold only where a cluster
     holds a token's pairs (``cluster_knobs``: ``gemv_pair_cluster`` and what goes with it; where top_k is larger
-    the bucket runs without them). In the formats of ``one_wave`` the bucket
+    the bucket runs without them), and the knobs that hold only where the layer's activations arrive as BF16
+    (``bf16_input_knobs``: ``gemv_row_tma``; a ``prequantized_input`` layer's bucket runs without them). In the
+    formats of ``one_wave`` the bucket
     serves only while its swap-AB FC1 fits one wave of its grid when every pair has an expert of its own
     (``min(T * top_k, experts)`` busy experts, of which a rank holds its share; one CTA tile per block
     of rows each), ``fc1_parts`` CTAs per tile (its split K); a bucket of more than one part serves only
@@ -228,6 +230,7 @@ class TokenBucket:
     format_knobs: dict[str, dict[str, Any]] = field(default_factory=dict)
     format_max_pairs: dict[str, float] = field(default_factory=dict)
     cluster_knobs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    bf16_input_knobs: dict[str, Any] = field(default_factory=dict)
     one_wave: tuple[str, ...] = ()
     fc1_parts: int = 1
     formats: tuple[str, ...] | None = None
@@ -278,15 +281,18 @@ class TokenBucket:
             return False
         return self.max_hidden is None or (hidden is not None and hidden <= self.max_hidden)
 
-    def knobs_for(self, fmt: str, top_k: int | None = None) -> dict[str, Any]:
+    def knobs_for(self, fmt: str, top_k: int | None = None, prequantized: bool = False) -> dict[str, Any]:
         """The knobs this bucket sets for weight format ``fmt``: with its ``cluster_knobs`` unless ``top_k`` (the
         layer's, where given) is more than a cluster holds (``drop.PAIR_CLUSTER_MAX``: the bucket's GEMV then
-        combines through its counters, as before drop v56, with the format's knobs of that chain)."""
+        combines through its counters, as before drop v56, with the format's knobs of that chain), and with its
+        ``bf16_input_knobs`` unless the layer's activations arrive ``prequantized`` (codes and scales)."""
         from flashinfer.moe_ep.kernel_src import cutedsl_megamoe as drop
 
         knobs = {**self.knobs, **self.format_knobs.get(fmt, {})}
         if top_k is None or top_k <= drop.PAIR_CLUSTER_MAX:
             knobs.update(self.cluster_knobs.get(fmt, {}))
+        if not prequantized:
+            knobs.update(self.bf16_input_knobs)
         return knobs
 
 
@@ -429,6 +435,12 @@ class TokenBucket:
 #:   0.992-1.002, the early ring without the cluster 1.077-1.086. FC2 over 4 warps 3 deep (every unit before the
 #:   wait; a candidate drop's ``gemv_fc1_stages``, not recorded) matched 8 warps alone but lost 17-20 % with the
 #:   cluster (80 KiB CTAs). Where top_k > 8 (no cluster) MXFP8 keeps FC2 over 8 warps (``cluster_knobs``).
+#: - The pair chain's FC1 (``gemv8k8``, ``gemv8``) requests its token's BF16 row with one bulk copy right after its
+#:   wait (``gemv_row_tma``, drop v57; ``bf16_input_knobs``: not where the layer takes codes and scales), so the
+#:   row's bytes do not queue behind the SM's first weight copies (session 44's stamps). Session 47, H100, the bench
+#:   in graphs of 8 layers, qwen3-30b-a3b, six rounds in two calls, its time over the buckets' without it: NVFP4
+#:   T = 1 0.953-0.977, T = 2 0.939-0.965 (every round faster); MXFP8 T = 1 0.948-0.955 in three rounds and
+#:   0.998-1.006 in three, T = 2 0.981-1.000.
 _EARLY = {"fc2_early_weights": True, "gather_early_rows": True}
 _GATHER = {"swap_ab": True, "gather_in_fc1": True, **_EARLY}
 _NARROW = {"swap_narrow": True}
@@ -443,6 +455,8 @@ _GEMV8 = {
     "pair_blocks": True,
     "pair_combine": True,
 }
+#: the pair chain's FC1 bulk-copies its token's BF16 row (drop v57; not for codes and scales)
+_ROW_TMA = {"gemv_row_tma": True}
 #: the routed GEMV (routing, gather and combine kernels around it: no pair chain), FC1 over 8 warps, FC2's early ring
 _GEMV8R = {
     "tile_m": 8,
@@ -466,6 +480,7 @@ BUCKETS = (
             "mxfp8": {"gemv_k_warps": 4, "gemv_early_ring": True, "gemv_pair_cluster": True},
             "nvfp4": {"gemv_pair_cluster": True},
         },
+        bf16_input_knobs=_ROW_TMA,
         formats=("mxfp8", "nvfp4"),
         max_hidden=2048,
     ),
@@ -478,6 +493,7 @@ BUCKETS = (
             "mxfp8": {"gemv_early_ring": True},
             "nvfp4": {"gemv_k_warps": 2, "gemv_fc1_k_warps": 4, "gemv_stages": 3},
         },
+        bf16_input_knobs=_ROW_TMA,
         formats=("mxfp8", "nvfp4"),
         max_hidden=2048,
     ),
@@ -591,7 +607,7 @@ def bucket_frontends(
     fronts: dict[str, Any] = {}
     for b in buckets:
         try:
-            knobs = b.knobs_for(config.weight_format, config.top_k)
+            knobs = b.knobs_for(config.weight_format, config.top_k, config.prequantized_input)
             fronts[b.name] = make_frontend(config, num_local_experts, knobs, ep)
         except MoEEpConfigError:
             if b.fallback not in fallbacks:
