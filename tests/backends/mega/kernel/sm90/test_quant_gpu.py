@@ -296,29 +296,33 @@ GPU_VARIANTS = [
       "knobs": next(b for b in BUCKETS if b.name == "gemv8r").knobs_for("mxfp8")}),
 ] + [
     # NVFP4's gemv8 with FC2 over 2 GEMV warps, FC1 keeping 4 (session 43: FC2's 512 CTAs at T = 2 then fit one wave):
-    # FC2's 6 K units three a warp, through a 2-deep ring, and through the bucket's own 3-deep one (its knobs, BUCKETS)
+    # FC2's 6 K units three a warp, through a 2-deep ring, and through the bucket's own 3-deep one (its knobs, BUCKETS;
+    # FC1 loading its row, as before drop v57: the bucket's own kernel is the -gemv8-rowtma variant below)
     ("nvfp4-qwen3-30b-a3b-pairs-combine-fc2k2", "nvfp4",
      {**QWEN3_30B, "knobs": {**PAIR_KNOBS, "pair_combine": True, "gemv_k_warps": 2, "gemv_fc1_k_warps": 4}}),
     ("nvfp4-qwen3-30b-a3b-pairs-combine-fc2k2-s3", "nvfp4",
-     {**QWEN3_30B, "knobs": next(b for b in BUCKETS if b.name == "gemv8").knobs_for("nvfp4")}),
+     {**QWEN3_30B, "knobs": {**next(b for b in BUCKETS if b.name == "gemv8").knobs_for("nvfp4"),
+                             "gemv_row_tma": False}}),
     # MXFP8's gemv8r with FC2 over 2 warps on the 1024-wide layer (FC2's 8 K units: four a warp)
     ("mxfp8-small1024-swiglu-gemv-fc1k8-ring-fc2k2", "mxfp8",
      {**SMALL, "hidden_size": 1024, "intermediate_size": 512, "activation": "swiglu", "activation_limit": None,
       "knobs": {**next(b for b in BUCKETS if b.name == "gemv8r").knobs_for("mxfp8"), "gemv_k_warps": 2}}),
 ] + [
     # FC2's pairs combined in a cluster of top_k CTAs (gemv_pair_cluster, drop v56): the small layer (clusters of 4),
-    # gemv8k8's and gemv8's knobs on qwen3-30b-a3b (clusters of 8)
+    # gemv8k8's and gemv8's knobs on qwen3-30b-a3b (clusters of 8) with FC1 loading its row as before drop v57 (the
+    # buckets' own kernels, with the row's bulk copy, are the -rowtma variants below)
     (f"{fmt}-small-swiglu-pairs-combine-cluster", fmt,
      {**SMALL, "activation": "swiglu", "activation_limit": None,
       "knobs": {**PAIR_KNOBS, "pair_combine": True, "gemv_pair_cluster": True}})
     for fmt in FORMATS
 ] + [
     (f"{fmt}-qwen3-30b-a3b-pairs-combine-{bucket}-cluster", fmt,
-     {**QWEN3_30B, "knobs": {**next(b for b in BUCKETS if b.name == bucket).knobs_for(fmt), "gemv_pair_cluster": True}})
+     {**QWEN3_30B, "knobs": {**next(b for b in BUCKETS if b.name == bucket).knobs_for(fmt), "gemv_pair_cluster": True,
+                             "gemv_row_tma": False}})
     for fmt in FORMATS for bucket in ("gemv8k8", "gemv8")
 ] + [
     # FC1's token row by one bulk copy (gemv_row_tma, drop v57): the small layers (H = 256 / 1024: one / four items a
-    # warp) and gemv8k8's and gemv8's knobs on qwen3-30b-a3b
+    # warp) and gemv8k8's and gemv8's knobs on qwen3-30b-a3b (since session 47 the buckets' own kernels)
     (f"{fmt}-small-{act}-pairs-combine-rowtma", fmt,
      {**SMALL, "activation": act, "activation_limit": lim,
       "knobs": {**PAIR_KNOBS, "pair_combine": True, "gemv_row_tma": True}})
