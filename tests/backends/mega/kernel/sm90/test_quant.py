@@ -252,8 +252,9 @@ def test_config_validation() -> None:
 def test_buckets_share_the_weight_layout(fmt: str) -> None:
     fes = bucket_frontends(CONFIG[fmt](256, 128, 8, 2), 8)
     layout = make_frontend(CONFIG[fmt](256, 128, 8, 2), 8)
-    mine = [b for b in BUCKETS if b.applies_to(fmt, 256)]  # gemv8r: MXFP8 only
+    mine = [b for b in BUCKETS if b.applies_to(fmt, 256)]  # gemv8r: MXFP8 only; gemv8k2: NVFP4 only
     assert list(fes) == [b.name for b in mine] and ("gemv8r" in fes) == (fmt == "mxfp8")
+    assert ("gemv8k2" in fes) == (fmt == "nvfp4")
     for b in mine:
         k, bk = fes[b.name].knobs, b.knobs_for(fmt)
         assert k.swap_ab and k.tile_m == bk["tile_m"] and k.swap_wg == bk.get("swap_wg", 2)
@@ -262,10 +263,11 @@ def test_buckets_share_the_weight_layout(fmt: str) -> None:
         assert k.swap_split_k == bk.get("swap_split_k", 1)
         # early weight loads: FC2's in every swap-AB bucket, FC1's where the gather kernel precedes it at T <= 2
         assert k.fc2_early_weights and k.fc1_early_weights == (b.name in ("split16", "sparse16"))
-        gemv = b.name in ("gemv8k8", "gemv8", "gemv8r")
+        gemv = b.name in ("gemv8k8", "gemv8", "gemv8k2", "gemv8r")
         assert k.gemv == gemv and k.gemv_k_warps == bk.get("gemv_k_warps", 4)
         nvfp4_gemv8 = (b.name, fmt) == ("gemv8", "nvfp4")  # FC2 over 2 warps, FC1 over 4, 3-deep rings (session 43)
-        assert k.gemv_fc1_k_warps == (8 if b.name in ("gemv8k8", "gemv8r") else 4 if nvfp4_gemv8 else None)
+        fc1_k_warps = {"gemv8k8": 8, "gemv8r": 8, "gemv8k2": 2}.get(b.name, 4 if nvfp4_gemv8 else None)
+        assert k.gemv_fc1_k_warps == fc1_k_warps and (b.name != "gemv8k2" or k.gemv_k_warps == 2)
         assert k.gemv_stages == (3 if nvfp4_gemv8 else 2)
         # FC2's whole ring before its wait: MXFP8's gemv8 and gemv8r (session 42), and its gemv8k8 (session 46)
         assert k.gemv_early_ring == (b.name == "gemv8r" or (fmt == "mxfp8" and b.name in ("gemv8", "gemv8k8")))
@@ -413,19 +415,21 @@ def test_gemv8k8_clusters_the_pairs_only_where_a_cluster_holds_them() -> None:
 
 
 def test_pair_chain_bulk_copies_bf16_rows_only() -> None:
-    """``gemv8k8`` and ``gemv8`` (the pair chain) set ``gemv_row_tma`` (session 47) where the layer's activations
-    arrive as BF16; a ``prequantized_input`` layer keeps the same buckets (the GEMV pair chain, not the fallback
-    tiles) with the same knobs but that one, its FC1 preparing the row from the codes as before."""
+    """The pair chain's buckets (``gemv8k8``, ``gemv8``, NVFP4's ``gemv8k2``) set ``gemv_row_tma`` (session 47) where
+    the layer's activations arrive as BF16; a ``prequantized_input`` layer keeps the same buckets (the GEMV pair
+    chain, not the fallback tiles) with the same knobs but that one, its FC1 preparing the row from the codes as
+    before."""
     for fmt in FORMATS:
+        chain = ("gemv8k8", "gemv8", "gemv8k2") if fmt == "nvfp4" else ("gemv8k8", "gemv8")
         for top_k in (8, 9):
             cfg = CONFIG[fmt](2048, 768, 16 * top_k, top_k)
             pre = dataclasses.replace(cfg, prequantized_input=True)
             bf16_fes, pre_fes = bucket_frontends(cfg, cfg.num_experts), bucket_frontends(pre, pre.num_experts)
-            for name in ("gemv8k8", "gemv8"):
+            for name in chain:
                 k, kp = bf16_fes[name].knobs, pre_fes[name].knobs
                 assert k.pair_blocks and k.gemv_row_tma and kp.pair_blocks and not kp.gemv_row_tma, (fmt, top_k, name)
                 assert dataclasses.replace(k, gemv_row_tma=False) == kp, (fmt, top_k, name)
-            assert not any(fe.knobs.gemv_row_tma for b, fe in bf16_fes.items() if b not in ("gemv8k8", "gemv8"))
+            assert not any(fe.knobs.gemv_row_tma for b, fe in bf16_fes.items() if b not in chain)
 
 
 def test_routed_gemv_serves_mxfp8_from_one_eighth_to_one_pair_per_expert() -> None:
@@ -450,6 +454,29 @@ def test_routed_gemv_serves_mxfp8_from_one_eighth_to_one_pair_per_expert() -> No
     assert "gemv8r" not in {b.name for b in ep_buckets(2)}
 
 
+def test_two_warp_pair_chain_serves_nvfp4_to_three_sixteenths_of_a_pair_per_expert() -> None:
+    """``gemv8k2`` (session 51): NVFP4's pair chain with FC1 and FC2 over 2 GEMV warps and 2-deep rings, past
+    ``gemv8`` up to 3/16 pair per expert where H <= 2048 (qwen3-30b-a3b T = 3, its CTAs then one wave); not MXFP8,
+    not the larger contracts, not an EP layer."""
+    for fmt in FORMATS:
+        for name in ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3"):
+            c = CONTRACTS[name]
+            cfg = CONFIG[fmt](c.hidden_size, c.intermediate_size, c.num_experts, c.top_k)
+            fes = bucket_frontends(cfg, c.num_experts)
+            picks = {t: token_bucket(t, c.top_k, c.num_experts, fmt, fes, c.hidden_size) for t in range(1, 40)}
+            served = [t for t, b in picks.items() if b == "gemv8k2"]
+            if fmt == "nvfp4" and c.hidden_size <= 2048:
+                assert served == [t for t in picks if 2 * c.num_experts < 16 * t * c.top_k <= 3 * c.num_experts]
+                assert served == [3], picks
+                k = fes["gemv8k2"].knobs
+                assert k.gemv and k.tile_m == 8 and k.gemv_fc1_k_warps == 2 and k.gemv_k_warps == 2
+                assert k.gemv_stages == 2 and k.pair_blocks and k.pair_combine and k.gemv_row_tma
+                assert not (k.gemv_early_ring or k.gemv_pair_cluster or k.gemv_l2_prefetch)
+            else:
+                assert not served and "gemv8k2" not in fes, (fmt, name, picks)
+    assert "gemv8k2" not in {b.name for b in ep_buckets(2)}
+
+
 def test_nvfp4_split16_serves_many_waves_where_k_is_long() -> None:
     """NVFP4's ``split16`` past 1/8 pair per expert whatever its FC1 waves, up to 1/2, where H >= 4096 (session 42:
     qwen3-235b-a22b T = 3-8, deepseek-v3 T = 5-16); at and below 1/8 the one-wave rule as before (qwen3-235b-a22b
@@ -457,7 +484,7 @@ def test_nvfp4_split16_serves_many_waves_where_k_is_long() -> None:
     expect = {
         "qwen3-235b-a22b": ["sparse16", "swap16"] + ["split16"] * 6 + ["swap16"] * 4,  # T = 1..12
         "deepseek-v3": ["sparse16"] + ["swap16"] * 3 + ["split16"] * 12 + ["swap16"] * 4,  # T = 1..20
-        "qwen3-30b-a3b": ["gemv8k8", "gemv8"] + ["swap16"] * 10,
+        "qwen3-30b-a3b": ["gemv8k8", "gemv8", "gemv8k2"] + ["swap16"] * 9,
     }
     for name, want in expect.items():
         c = CONTRACTS[name]
@@ -526,8 +553,9 @@ def test_pair_knob_validation(fmt: str) -> None:
     ep_knobs = {k: v for k, v in PAIR_KNOBS.items() if k != "fc2_early_weights"}
     with pytest.raises(MoEEpConfigError, match="gemv is a world-size-1 knob"):
         bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs=ep_knobs), 4, EpPlacement(2))
-    # the default buckets: on in the GEMV buckets only (session 32's A/B)
-    assert [b.name for b in BUCKETS if b.knobs_for(fmt).get("pair_blocks")] == ["gemv8k8", "gemv8"]
+    # the default buckets: on in the pair chain's GEMV buckets only (session 32's A/B; NVFP4's gemv8k2, session 51)
+    chain = [b.name for b in BUCKETS if b.knobs_for(fmt).get("pair_blocks") and b.applies_to(fmt, 2048)]
+    assert chain == (["gemv8k8", "gemv8", "gemv8k2"] if fmt == "nvfp4" else ["gemv8k8", "gemv8"])
 
 
 def test_gemv_shared_bytes_of_the_pair_chain() -> None:
@@ -664,9 +692,9 @@ def test_build_every_default_variant_for_sm90a(fmt: str, tmp_path: Path, capsys)
     swap = [c for name, c in CONTRACTS.items() if name not in ("gpt-oss-120b", "nemotron-relu2")]
     per_contract = [sum(b.applies_to(fmt, c.hidden_size) for b in BUCKETS) for c in swap]
     assert len(keys) == len(want) == sum(per_contract) + 2 * len(FALLBACKS)
-    gemvs = sum(b.max_hidden is not None for b in BUCKETS)  # gemv8k8, gemv8 (both formats), gemv8r (MXFP8)
+    gemvs = sum(b.max_hidden is not None for b in BUCKETS)  # gemv8k8, gemv8 (both formats), gemv8r (MXFP8), gemv8k2
     mine = sum(b.max_hidden is not None and b.applies_to(fmt, 2048) for b in BUCKETS)
-    assert mine == (3 if fmt == "mxfp8" else 2)
+    assert mine == 3
     assert sorted(per_contract) == sorted(len(BUCKETS) - gemvs + mine * (c.hidden_size <= 2048) for c in swap)
     for name, c in CONTRACTS.items():
         cfg = CONFIG[fmt](c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit)
@@ -1060,7 +1088,7 @@ def test_ep_buckets_follow_the_global_tokens() -> None:
     (every bucket is reachable: none serves fewer tokens than a world of ranks forwards), without the
     split-K bucket (a world-size-1 knob: at world size > 1 it would repeat ``sparse16``) and the GEMV
     bucket (a world-size-1 kernel)."""
-    split_free = [b.name for b in BUCKETS if b.name not in ("split16", "gemv8k8", "gemv8", "gemv8r")]
+    split_free = [b.name for b in BUCKETS if b.name not in ("split16", "gemv8k8", "gemv8", "gemv8k2", "gemv8r")]
     assert [b.name for b in ep_buckets(2)] == [b.name for b in ep_buckets(1)] == split_free
     cases = ((0, 2, "sparse16"), (1, 2, "sparse16"), (4, 2, "sparse16"), (5, 2, "swap16"), (64, 2, "swap16"),
              (65, 2, "swap32"), (64, 4, "swap32"), (1000, 2, "swap128"))  # fmt: skip

@@ -336,6 +336,11 @@ GPU_VARIANTS = [
     (f"{fmt}-qwen3-30b-a3b-pairs-combine-{bucket}-rowtma", fmt,
      {**QWEN3_30B, "knobs": {**next(b for b in BUCKETS if b.name == bucket).knobs_for(fmt), "gemv_row_tma": True}})
     for fmt in FORMATS for bucket in ("gemv8k8", "gemv8")
+] + [
+    # NVFP4's gemv8k2 (session 51, qwen3-30b-a3b T = 3): the pair chain over 2 GEMV warps in FC1 and FC2, 2-deep
+    # rings (FC1's 16 K units eight a warp, FC2's 6 three a warp), the bucket's own kernel
+    ("nvfp4-qwen3-30b-a3b-pairs-combine-gemv8k2-rowtma", "nvfp4",
+     {**QWEN3_30B, "knobs": next(b for b in BUCKETS if b.name == "gemv8k2").knobs_for("nvfp4")}),
 ]  # fmt: skip
 
 
@@ -430,7 +435,8 @@ def test_small_every_activation(variant: str, routing: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("t", [1, 2, 5, 12, 128, 1000, MAX_T])  # 2: gemv8; 5, 12: MXFP8's gemv8r, NVFP4's swap16
+# 2: gemv8; 3: NVFP4's gemv8k2; 5, 12: MXFP8's gemv8r, NVFP4's swap16
+@pytest.mark.parametrize("t", [1, 2, 3, 5, 12, 128, 1000, MAX_T])
 def test_qwen3_30b(fmt: str, t: int) -> None:
     name = f"{fmt}-qwen3-30b-a3b"
     _check(name, fresh_inputs(_layer(name)[1], t, "uniform" if t % 2 else "skewed", seed=t))
@@ -499,7 +505,8 @@ def test_zero_tokens(fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("t", [1, 2, 8, 100, 800])  # qwen3-30b-a3b: gemv8k8, gemv8, gemv8r (MXFP8), swap16, swap128
+# qwen3-30b-a3b: gemv8k8, gemv8, gemv8k2 (NVFP4) / gemv8r (MXFP8), swap16, swap128
+@pytest.mark.parametrize("t", [1, 2, 3, 8, 100, 800])
 def test_cuda_graph_replay_equals_eager(fmt: str, t: int) -> None:
     _graph_replay_equals_eager(f"{fmt}-qwen3-30b-a3b", t)
 

@@ -441,6 +441,15 @@ class TokenBucket:
 #:   in graphs of 8 layers, qwen3-30b-a3b, six rounds in two calls, its time over the buckets' without it: NVFP4
 #:   T = 1 0.953-0.977, T = 2 0.939-0.965 (every round faster); MXFP8 T = 1 0.948-0.955 in three rounds and
 #:   0.998-1.006 in three, T = 2 0.981-1.000.
+#: - NVFP4's ``gemv8k2`` (session 51): the pair chain with FC1 and FC2 over 2 GEMV warps each and 2-deep rings
+#:   (``gemv_shared_bytes``: 28 KiB / 24 KiB CTAs, seven / nine an SM), past ``gemv8`` up to 3/16 pair per expert
+#:   where H <= 2048 (qwen3-30b-a3b T = 3). There ``gemv8``'s 576 FC1 CTAs of 72 KiB (three an SM) and 768 FC2 CTAs
+#:   of 46 KiB (four an SM) no longer fit one wave, as T = 2's 384 and 512 did (arithmetic from the shared memory,
+#:   not counted). The bench in graphs of 8 layers on an H100, its time over the default's (``swap16``, 40.8-41.2 us
+#:   a layer) at T = 3: 0.944, 0.941, 0.936, 0.936 (four rounds in two calls); the same with FC2's early ring
+#:   0.926-0.968; ``gemv8``'s knobs 0.974-0.990, ``gemv8k8``'s 0.984-1.013. Not from T = 4 (1.09-1.10 at T = 4,
+#:   0.99-1.01 at T = 5, 1.11-1.12 at T = 6, 0.99-1.01 at T = 8) nor for MXFP8 (the same knobs at T = 3 1.007-1.016
+#:   of ``gemv8r``'s). Not yet measured on the H200.
 _EARLY = {"fc2_early_weights": True, "gather_early_rows": True}
 _GATHER = {"swap_ab": True, "gather_in_fc1": True, **_EARLY}
 _NARROW = {"swap_narrow": True}
@@ -495,6 +504,15 @@ BUCKETS = (
         },
         bf16_input_knobs=_ROW_TMA,
         formats=("mxfp8", "nvfp4"),
+        max_hidden=2048,
+    ),
+    TokenBucket(
+        "gemv8k2",
+        {**_GEMV8, "gemv_k_warps": 2, "gemv_fc1_k_warps": 2},
+        max_pairs_per_expert=0.1875,
+        fallback="decode",
+        bf16_input_knobs=_ROW_TMA,
+        formats=("nvfp4",),
         max_hidden=2048,
     ),
     TokenBucket(
