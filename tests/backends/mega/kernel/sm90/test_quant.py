@@ -252,9 +252,9 @@ def test_config_validation() -> None:
 def test_buckets_share_the_weight_layout(fmt: str) -> None:
     fes = bucket_frontends(CONFIG[fmt](256, 128, 8, 2), 8)
     layout = make_frontend(CONFIG[fmt](256, 128, 8, 2), 8)
-    mine = [b for b in BUCKETS if b.applies_to(fmt, 256)]  # gemv8r: MXFP8 only; gemv8k2: NVFP4 only
+    mine = [b for b in BUCKETS if b.applies_to(fmt, 256)]  # gemv8r: MXFP8 only; gemv8k2, gemv8r2: NVFP4 only
     assert list(fes) == [b.name for b in mine] and ("gemv8r" in fes) == (fmt == "mxfp8")
-    assert ("gemv8k2" in fes) == (fmt == "nvfp4")
+    assert ("gemv8k2" in fes) == ("gemv8r2" in fes) == (fmt == "nvfp4")
     for b in mine:
         k, bk = fes[b.name].knobs, b.knobs_for(fmt)
         assert k.swap_ab and k.tile_m == bk["tile_m"] and k.swap_wg == bk.get("swap_wg", 2)
@@ -263,17 +263,19 @@ def test_buckets_share_the_weight_layout(fmt: str) -> None:
         assert k.swap_split_k == bk.get("swap_split_k", 1)
         # early weight loads: FC2's in every swap-AB bucket, FC1's where the gather kernel precedes it at T <= 2
         assert k.fc2_early_weights and k.fc1_early_weights == (b.name in ("split16", "sparse16"))
-        gemv = b.name in ("gemv8k8", "gemv8", "gemv8k2", "gemv8r")
+        gemv = b.name in ("gemv8k8", "gemv8", "gemv8k2", "gemv8r", "gemv8r2")
         assert k.gemv == gemv and k.gemv_k_warps == bk.get("gemv_k_warps", 4)
         nvfp4_gemv8 = (b.name, fmt) == ("gemv8", "nvfp4")  # FC2 over 2 warps, FC1 over 4, 3-deep rings (session 43)
-        fc1_k_warps = {"gemv8k8": 8, "gemv8r": 8, "gemv8k2": 2}.get(b.name, 4 if nvfp4_gemv8 else None)
+        fc1_k_warps = {"gemv8k8": 8, "gemv8r": 8, "gemv8k2": 2, "gemv8r2": 4}.get(b.name, 4 if nvfp4_gemv8 else None)
         assert k.gemv_fc1_k_warps == fc1_k_warps and (b.name != "gemv8k2" or k.gemv_k_warps == 2)
         assert k.gemv_stages == (3 if nvfp4_gemv8 else 2)
         # FC2's whole ring before its wait: MXFP8's gemv8 and gemv8r (session 42), and its gemv8k8 (session 46)
-        assert k.gemv_early_ring == (b.name == "gemv8r" or (fmt == "mxfp8" and b.name in ("gemv8", "gemv8k8")))
+        # and NVFP4's gemv8r2 (session 51)
+        routed = b.name in ("gemv8r", "gemv8r2")
+        assert k.gemv_early_ring == (routed or (fmt == "mxfp8" and b.name in ("gemv8", "gemv8k8")))
         # the pair chain (the GEMV buckets but the routed one: no routing, gather or combine kernel) and elsewhere
         # the gather, which quantizes its first items before it waits for the routing
-        paired = gemv and b.name != "gemv8r"
+        paired = gemv and not routed
         assert k.pair_blocks == k.pair_combine == paired and k.gather_early_rows == (not paired)
         assert k.fc1_tile_n == layout.knobs.fc1_tile_n  # one packed layout
     assert len({fe.key.digest() for fe in fes.values()}) == len(fes)
@@ -477,6 +479,32 @@ def test_two_warp_pair_chain_serves_nvfp4_to_three_sixteenths_of_a_pair_per_expe
     assert "gemv8k2" not in {b.name for b in ep_buckets(2)}
 
 
+def test_nvfp4_routed_gemv_serves_past_three_eighths_to_nine_sixteenths_of_a_pair_per_expert() -> None:
+    """``gemv8r2`` (session 51): NVFP4's routed GEMV with FC1 over 4 GEMV warps, FC2 over 2 and FC2's early ring,
+    past 3/8 up to 9/16 pair per expert where H <= 2048 (qwen3-30b-a3b T = 7-9, where ``swap16``'s FC1 passes one
+    wave); ``swap16`` on both sides; not MXFP8, not the larger contracts, not an EP layer."""
+    for fmt in FORMATS:
+        for name in ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3"):
+            c = CONTRACTS[name]
+            cfg = CONFIG[fmt](c.hidden_size, c.intermediate_size, c.num_experts, c.top_k)
+            fes = bucket_frontends(cfg, c.num_experts)
+            picks = {t: token_bucket(t, c.top_k, c.num_experts, fmt, fes, c.hidden_size) for t in range(1, 40)}
+            served = [t for t, b in picks.items() if b == "gemv8r2"]
+            if fmt == "nvfp4" and c.hidden_size <= 2048:
+                assert served == [t for t in picks if 3 * c.num_experts < 8 * t * c.top_k <= 4.5 * c.num_experts]
+                assert served == [7, 8, 9] and picks[6] == picks[10] == "swap16", picks
+                k = fes["gemv8r2"].knobs
+                assert k.gemv and k.tile_m == 8 and k.gemv_fc1_k_warps == 4 and k.gemv_k_warps == 2
+                assert k.gemv_stages == 2 and k.gemv_early_ring and k.fc2_early_weights and k.gather_early_rows
+                assert not (k.pair_blocks or k.pair_combine or k.gemv_row_tma or k.gemv_l2_prefetch)
+            else:
+                assert not served and "gemv8r2" not in fes, (fmt, name, picks)
+    assert "gemv8r2" not in {b.name for b in ep_buckets(2)}
+    # the window's lower bound alone: a bucket serves nothing at or below it
+    window = next(b for b in BUCKETS if b.name == "gemv8r2")
+    assert not window.serves(6, 8, 128, "nvfp4", hidden=2048) and window.serves(7, 8, 128, "nvfp4", hidden=2048)
+
+
 def test_nvfp4_split16_serves_many_waves_where_k_is_long() -> None:
     """NVFP4's ``split16`` past 1/8 pair per expert whatever its FC1 waves, up to 1/2, where H >= 4096 (session 42:
     qwen3-235b-a22b T = 3-8, deepseek-v3 T = 5-16); at and below 1/8 the one-wave rule as before (qwen3-235b-a22b
@@ -484,7 +512,7 @@ def test_nvfp4_split16_serves_many_waves_where_k_is_long() -> None:
     expect = {
         "qwen3-235b-a22b": ["sparse16", "swap16"] + ["split16"] * 6 + ["swap16"] * 4,  # T = 1..12
         "deepseek-v3": ["sparse16"] + ["swap16"] * 3 + ["split16"] * 12 + ["swap16"] * 4,  # T = 1..20
-        "qwen3-30b-a3b": ["gemv8k8", "gemv8", "gemv8k2"] + ["swap16"] * 9,
+        "qwen3-30b-a3b": ["gemv8k8", "gemv8", "gemv8k2"] + ["swap16"] * 3 + ["gemv8r2"] * 3 + ["swap16"] * 3,
     }
     for name, want in expect.items():
         c = CONTRACTS[name]
@@ -692,9 +720,9 @@ def test_build_every_default_variant_for_sm90a(fmt: str, tmp_path: Path, capsys)
     swap = [c for name, c in CONTRACTS.items() if name not in ("gpt-oss-120b", "nemotron-relu2")]
     per_contract = [sum(b.applies_to(fmt, c.hidden_size) for b in BUCKETS) for c in swap]
     assert len(keys) == len(want) == sum(per_contract) + 2 * len(FALLBACKS)
-    gemvs = sum(b.max_hidden is not None for b in BUCKETS)  # gemv8k8, gemv8 (both formats), gemv8r (MXFP8), gemv8k2
+    gemvs = sum(b.max_hidden is not None for b in BUCKETS)  # gemv8k8, gemv8; gemv8r (MXFP8); gemv8k2, gemv8r2 (NVFP4)
     mine = sum(b.max_hidden is not None and b.applies_to(fmt, 2048) for b in BUCKETS)
-    assert mine == 3
+    assert mine == (3 if fmt == "mxfp8" else 4)
     assert sorted(per_contract) == sorted(len(BUCKETS) - gemvs + mine * (c.hidden_size <= 2048) for c in swap)
     for name, c in CONTRACTS.items():
         cfg = CONFIG[fmt](c.hidden_size, c.intermediate_size, c.num_experts, c.top_k, c.activation, c.activation_limit)
@@ -1088,7 +1116,8 @@ def test_ep_buckets_follow_the_global_tokens() -> None:
     (every bucket is reachable: none serves fewer tokens than a world of ranks forwards), without the
     split-K bucket (a world-size-1 knob: at world size > 1 it would repeat ``sparse16``) and the GEMV
     bucket (a world-size-1 kernel)."""
-    split_free = [b.name for b in BUCKETS if b.name not in ("split16", "gemv8k8", "gemv8", "gemv8k2", "gemv8r")]
+    gemv = ("gemv8k8", "gemv8", "gemv8k2", "gemv8r", "gemv8r2")
+    split_free = [b.name for b in BUCKETS if b.name not in ("split16", *gemv)]
     assert [b.name for b in ep_buckets(2)] == [b.name for b in ep_buckets(1)] == split_free
     cases = ((0, 2, "sparse16"), (1, 2, "sparse16"), (4, 2, "sparse16"), (5, 2, "swap16"), (64, 2, "swap16"),
              (65, 2, "swap32"), (64, 4, "swap32"), (1000, 2, "swap128"))  # fmt: skip

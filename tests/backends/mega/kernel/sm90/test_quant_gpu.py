@@ -341,6 +341,10 @@ GPU_VARIANTS = [
     # rings (FC1's 16 K units eight a warp, FC2's 6 three a warp), the bucket's own kernel
     ("nvfp4-qwen3-30b-a3b-pairs-combine-gemv8k2-rowtma", "nvfp4",
      {**QWEN3_30B, "knobs": next(b for b in BUCKETS if b.name == "gemv8k2").knobs_for("nvfp4")}),
+    # NVFP4's gemv8r2 (session 51, qwen3-30b-a3b T = 7-9): the routed GEMV with FC1 over 4 GEMV warps, FC2 over 2 and
+    # its early ring (FC2's 6 K units three a warp, two of them copied before its wait), the bucket's own kernel
+    ("nvfp4-qwen3-30b-a3b-gemv8r2", "nvfp4",
+     {**QWEN3_30B, "knobs": next(b for b in BUCKETS if b.name == "gemv8r2").knobs_for("nvfp4")}),
 ]  # fmt: skip
 
 
@@ -435,8 +439,8 @@ def test_small_every_activation(variant: str, routing: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-# 2: gemv8; 3: NVFP4's gemv8k2; 5, 12: MXFP8's gemv8r, NVFP4's swap16
-@pytest.mark.parametrize("t", [1, 2, 3, 5, 12, 128, 1000, MAX_T])
+# 2: gemv8; 3: NVFP4's gemv8k2; 5, 12: MXFP8's gemv8r, NVFP4's swap16; 8: NVFP4's gemv8r2
+@pytest.mark.parametrize("t", [1, 2, 3, 5, 8, 12, 128, 1000, MAX_T])
 def test_qwen3_30b(fmt: str, t: int) -> None:
     name = f"{fmt}-qwen3-30b-a3b"
     _check(name, fresh_inputs(_layer(name)[1], t, "uniform" if t % 2 else "skewed", seed=t))
@@ -498,6 +502,15 @@ def test_prequantized_activations(fmt: str, rule: str) -> None:
         layer.forward(fresh_inputs(cfg, 4, "uniform", seed=1))  # bf16 hidden_states without scales
 
 
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_nvfp4_routed_gemv_bucket(routing: str) -> None:
+    """NVFP4's ``gemv8r2`` kernel (session 51) on qwen3-30b-a3b at the T it serves (7-9) and either side of them, in
+    every routing: against the reference (``_check``: poisoned output, format units, a second run bitwise equal)."""
+    name = "nvfp4-qwen3-30b-a3b-gemv8r2"
+    for t in (1, 6, 7, 8, 9, 40):
+        _check(name, fresh_inputs(_layer(name)[1], t, routing, seed=zlib.crc32(f"{name}/{routing}/{t}".encode())))
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_zero_tokens(fmt: str) -> None:
     layer, cfg, _, _ = _layer(f"{fmt}-small-swiglu")
@@ -505,7 +518,7 @@ def test_zero_tokens(fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-# qwen3-30b-a3b: gemv8k8, gemv8, gemv8k2 (NVFP4) / gemv8r (MXFP8), swap16, swap128
+# qwen3-30b-a3b: gemv8k8, gemv8, gemv8k2 / gemv8r (T = 3), gemv8r2 / gemv8r (T = 8; NVFP4 / MXFP8), swap16, swap128
 @pytest.mark.parametrize("t", [1, 2, 3, 8, 100, 800])
 def test_cuda_graph_replay_equals_eager(fmt: str, t: int) -> None:
     _graph_replay_equals_eager(f"{fmt}-qwen3-30b-a3b", t)

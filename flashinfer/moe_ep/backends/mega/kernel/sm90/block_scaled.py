@@ -221,7 +221,8 @@ class TokenBucket:
     short to split (``QuantFrontend.fc1_splits_into``). ``many_waves`` (per format: pairs per expert p0,
     H h0): past p0 pairs per expert the format's bucket serves (up to its bound) whatever its FC1 waves,
     but only where H >= h0 (a long K: its smaller CTAs' fixed cost is paid back) and its swap-AB frontend
-    runs the split."""
+    runs the split. ``min_pairs_per_expert``: the bucket serves only past that many pairs per expert (a window
+    between the buckets before it and the ones after)."""
 
     name: str
     knobs: dict[str, Any]
@@ -236,6 +237,7 @@ class TokenBucket:
     formats: tuple[str, ...] | None = None
     max_hidden: int | None = None
     many_waves: dict[str, tuple[float, int]] = field(default_factory=dict)
+    min_pairs_per_expert: float | None = None
 
     def serves(
         self,
@@ -251,6 +253,8 @@ class TokenBucket:
         bound on H or a list of ``formats`` serves nothing where H or the format is not given, nor does
         ``many_waves`` past its p0 without H or the frontend)."""
         if not self.applies_to(fmt, hidden):
+            return False
+        if self.min_pairs_per_expert is not None and t * top_k <= self.min_pairs_per_expert * num_experts:
             return False
         bound = self.format_max_pairs.get(fmt, self.max_pairs_per_expert)  # fmt None: the shared bound
         if bound is not None and t * top_k > bound * num_experts:
@@ -450,6 +454,15 @@ class TokenBucket:
 #:   0.926-0.968; ``gemv8``'s knobs 0.974-0.990, ``gemv8k8``'s 0.984-1.013. Not from T = 4 (1.09-1.10 at T = 4,
 #:   0.99-1.01 at T = 5, 1.11-1.12 at T = 6, 0.99-1.01 at T = 8) nor for MXFP8 (the same knobs at T = 3 1.007-1.016
 #:   of ``gemv8r``'s). Not yet measured on the H200.
+#: - NVFP4's ``gemv8r2`` (session 51): the routed GEMV (as ``gemv8r``) with FC1 over 4 GEMV warps and FC2 over 2,
+#:   FC2's early ring, from 3/8 (exclusive) to 9/16 pair per expert where H <= 2048 (qwen3-30b-a3b T = 7-9). There
+#:   ``swap16``'s FC1 (three 512-row CTA tiles per busy expert) passes one wave of 132: 137 / 152 / 166 tiles at
+#:   T = 7 / 8 / 9 over the expected busy experts (arithmetic, not counted), and its time jumps from 58 us at T = 6
+#:   to 75.5 at T = 7. The bench in graphs of 8 layers on an H100, its time over ``swap16``'s, two rounds in each of
+#:   two calls (T = 6, 8, 12) or in one: T = 6 1.022 / 1.029 / 1.041 / 1.036, T = 7 0.825 / 0.826, T = 8 0.894 /
+#:   0.885 / 0.884 / 0.883, T = 9 0.970 / 0.967, T = 10 0.990 / 0.999, T = 11 1.018 / 1.038, T = 12 0.993 / 0.995 /
+#:   1.008 / 0.998, T = 16 1.136 / 1.133; with FC1 over 2 warps too 0.86-0.91 at T = 7-8 and 1.08-1.10 at T = 6.
+#:   Not yet measured on the H200.
 _EARLY = {"fc2_early_weights": True, "gather_early_rows": True}
 _GATHER = {"swap_ab": True, "gather_in_fc1": True, **_EARLY}
 _NARROW = {"swap_narrow": True}
@@ -521,6 +534,15 @@ BUCKETS = (
         max_pairs_per_expert=1.0,
         fallback="decode",
         formats=("mxfp8",),
+        max_hidden=2048,
+    ),
+    TokenBucket(
+        "gemv8r2",
+        {**_GEMV8R, "gemv_k_warps": 2, "gemv_fc1_k_warps": 4},
+        max_pairs_per_expert=0.5625,
+        min_pairs_per_expert=0.375,
+        fallback="decode",
+        formats=("nvfp4",),
         max_hidden=2048,
     ),
     TokenBucket(
