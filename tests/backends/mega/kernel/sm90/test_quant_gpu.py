@@ -511,6 +511,16 @@ def test_nvfp4_routed_gemv_bucket(routing: str) -> None:
         _check(name, fresh_inputs(_layer(name)[1], t, routing, seed=zlib.crc32(f"{name}/{routing}/{t}".encode())))
 
 
+@pytest.mark.parametrize("variant", [f"nvfp4-small-{act}" for act, lim in ACTIVATIONS if lim is None])
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_small_nvfp4_two_tokens(variant: str, routing: str) -> None:
+    """On the small layers (16 experts, top_k 4) T = 2 is half a pair per expert, which NVFP4's ``gemv8r2`` serves,
+    with more GEMV warps than K units there (FC1's 2 units over 4 warps, FC2's 1 over 2): against the reference."""
+    layer, cfg, _, _ = _layer(variant)
+    assert layer._backend._bucket(2) == "gemv8r2"
+    _check(variant, fresh_inputs(cfg, 2, routing, seed=zlib.crc32(f"{variant}/{routing}/2".encode())))
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_zero_tokens(fmt: str) -> None:
     layer, cfg, _, _ = _layer(f"{fmt}-small-swiglu")
