@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -434,25 +435,29 @@ def test_pair_chain_bulk_copies_bf16_rows_only() -> None:
             assert not any(fe.knobs.gemv_row_tma for b, fe in bf16_fes.items() if b not in chain)
 
 
+def _bench_picks(fmt: str, name: str) -> tuple[Any, dict[str, Any], dict[int, str]]:
+    """(contract, bucket frontends, T -> bucket for T = 1-39) of a bench contract's world-size-1 layer."""
+    c = CONTRACTS[name]
+    fes = bucket_frontends(CONFIG[fmt](c.hidden_size, c.intermediate_size, c.num_experts, c.top_k), c.num_experts)
+    return c, fes, {t: token_bucket(t, c.top_k, c.num_experts, fmt, fes, c.hidden_size) for t in range(1, 40)}
+
+
 def test_routed_gemv_serves_mxfp8_from_one_eighth_to_one_pair_per_expert() -> None:
     """``gemv8r`` (session 42): MXFP8's routed GEMV (FC1 over 8 warps, FC2's early ring, the routing, gather and
     combine kernels around it) past ``gemv8`` up to one pair per expert where H <= 2048 (qwen3-30b-a3b T = 3-16);
     not NVFP4, not the larger contracts, not an EP layer."""
     for fmt in FORMATS:
         for name in ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3"):
-            c = CONTRACTS[name]
-            cfg = CONFIG[fmt](c.hidden_size, c.intermediate_size, c.num_experts, c.top_k)
-            fes = bucket_frontends(cfg, c.num_experts)
-            picks = [token_bucket(t, c.top_k, c.num_experts, fmt, fes, c.hidden_size) for t in range(1, 40)]
-            one_pair = c.num_experts // c.top_k  # T of one pair per expert
+            c, fes, picks = _bench_picks(fmt, name)
+            served = [t for t, b in picks.items() if b == "gemv8r"]
             if fmt == "mxfp8" and c.hidden_size <= 2048:
-                assert picks[2:one_pair] == ["gemv8r"] * (one_pair - 2) and "gemv8r" not in picks[one_pair:], picks
+                assert served == list(range(3, c.num_experts // c.top_k + 1)), picks  # up to one pair per expert
                 k = fes["gemv8r"].knobs
                 assert k.gemv and k.tile_m == 8 and k.gemv_fc1_k_warps == 8 and k.gemv_k_warps == 4
                 assert k.gemv_early_ring and k.fc2_early_weights and k.gather_early_rows and not k.fc1_early_weights
                 assert not (k.pair_blocks or k.pair_combine or k.gemv_l2_prefetch)
             else:
-                assert "gemv8r" not in set(picks) | set(fes), (fmt, name, picks)
+                assert not served and "gemv8r" not in fes, (fmt, name, picks)
     assert "gemv8r" not in {b.name for b in ep_buckets(2)}
 
 
@@ -462,10 +467,7 @@ def test_two_warp_pair_chain_serves_nvfp4_to_three_sixteenths_of_a_pair_per_expe
     not the larger contracts, not an EP layer."""
     for fmt in FORMATS:
         for name in ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3"):
-            c = CONTRACTS[name]
-            cfg = CONFIG[fmt](c.hidden_size, c.intermediate_size, c.num_experts, c.top_k)
-            fes = bucket_frontends(cfg, c.num_experts)
-            picks = {t: token_bucket(t, c.top_k, c.num_experts, fmt, fes, c.hidden_size) for t in range(1, 40)}
+            c, fes, picks = _bench_picks(fmt, name)
             served = [t for t, b in picks.items() if b == "gemv8k2"]
             if fmt == "nvfp4" and c.hidden_size <= 2048:
                 assert served == [t for t in picks if 2 * c.num_experts < 16 * t * c.top_k <= 3 * c.num_experts]
@@ -485,10 +487,7 @@ def test_nvfp4_routed_gemv_serves_past_three_eighths_to_nine_sixteenths_of_a_pai
     wave); ``swap16`` on both sides; not MXFP8, not the larger contracts, not an EP layer."""
     for fmt in FORMATS:
         for name in ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3"):
-            c = CONTRACTS[name]
-            cfg = CONFIG[fmt](c.hidden_size, c.intermediate_size, c.num_experts, c.top_k)
-            fes = bucket_frontends(cfg, c.num_experts)
-            picks = {t: token_bucket(t, c.top_k, c.num_experts, fmt, fes, c.hidden_size) for t in range(1, 40)}
+            c, fes, picks = _bench_picks(fmt, name)
             served = [t for t, b in picks.items() if b == "gemv8r2"]
             if fmt == "nvfp4" and c.hidden_size <= 2048:
                 assert served == [t for t in picks if 3 * c.num_experts < 8 * t * c.top_k <= 4.5 * c.num_experts]
