@@ -204,3 +204,33 @@ def test_gemv_phase_stamps_patches_a_copy_of_this_drop_once(tmp_path) -> None:
     compile(text, str(copy), "exec")  # still Python
     assert stamps.patch(tmp_path) == 1 and copy.read_text() == text  # nothing half-done
     assert stamps.patch(root) == 1
+
+
+def test_bar_cells_tables_read_the_bench_csv() -> None:
+    """``scripts/bar_cells.py`` turns the bench's CSV rows into the bars' tables: decode per layer in the graph (us,
+    BF16's share of the weight floor, BF16's time over each format's), prefill per call (ms, the share of the run's
+    matmul ceiling, x the pipeline, BF16's time over each format's)."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bar_cells.py"
+    spec = importlib.util.spec_from_file_location("bar_cells_under_test", script)
+    cells = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cells)
+    bf16, mxfp8, nvfp4 = cells.BACKENDS
+
+    def row(backend: str, t: int, **values: float) -> dict[str, str]:
+        return {"contract": "qwen3-30b-a3b", "backend": backend, "tokens": str(t), "graph_layers": "8",
+                **{k: str(v) for k, v in values.items()}}  # fmt: skip
+
+    decode = [row(bf16, 1, graph_ms=0.030, floor_ms=0.021), row(mxfp8, 1, graph_ms=0.020, floor_ms=0.0105),
+              row(nvfp4, 1, graph_ms=0.012, floor_ms=0.006)]  # fmt: skip
+    lines = cells.decode_table(decode)
+    assert "graph of 8" in lines[0] and len(lines) == 2
+    assert lines[1].split() == ["T=", "1", "BF16", "30.00", "(70%)", "MXFP8", "20.00", "(1.50x)", "NVFP4", "12.00",
+                                "(2.50x)"]  # fmt: skip
+    prefill = [row(bf16, 4096, ms=2.0, tflops=400.0, speedup=2.5), row(nvfp4, 4096, ms=1.6, tflops=500.0, speedup=3.1)]
+    lines = cells.prefill_table(prefill, 800.0)
+    assert lines[1].split() == ["T=", "4096", "BF16", "2.000", "ms", "400", "50.0%", "2.50x", "NVFP4", "1.250x"]
+    assert "-" in cells.prefill_table(prefill, None)[1].split()  # no ceiling line: no share of it
+    assert cells.short(nvfp4) == "NVFP4"
