@@ -30,10 +30,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BACKENDS = ["sm90_bf16_bf16_bf16_cutedsl", "sm90_mxfp8_mxfp8_bf16_cutedsl", "sm90_nvfp4_nvfp4_bf16_cutedsl"]
+sys.path.insert(0, str(ROOT))
+from scripts.gpu_session import BENCH_BACKENDS as BACKENDS  # noqa: E402  (the bench's three backends, BF16 first)
+from scripts.gpu_session import BENCH_CONTRACTS as PREFILL  # noqa: E402
+
 #: contract -> (tokens, layers per CUDA graph): qwen3-235b-a22b's graph holds 5 layers (the bench's weight memory)
 DECODE = {"qwen3-30b-a3b": ([1, 2, 3, 4, 7, 8, 16, 128], 8), "qwen3-235b-a22b": ([1, 2, 3, 4, 8], 5)}
-PREFILL = ["qwen3-30b-a3b", "deepseek-v3", "qwen3-235b-a22b"]
 PREFILL_TOKENS = [4096, 16384]
 CEILING = re.compile(r"ceilings ([0-9.]+) TFLOP/s")
 

@@ -435,70 +435,63 @@ def test_pair_chain_bulk_copies_bf16_rows_only() -> None:
             assert not any(fe.knobs.gemv_row_tma for b, fe in bf16_fes.items() if b not in chain)
 
 
-def _bench_picks(fmt: str, name: str) -> tuple[Any, dict[str, Any], dict[int, str]]:
-    """(contract, bucket frontends, T -> bucket for T = 1-39) of a bench contract's world-size-1 layer."""
-    c = CONTRACTS[name]
-    fes = bucket_frontends(CONFIG[fmt](c.hidden_size, c.intermediate_size, c.num_experts, c.top_k), c.num_experts)
-    return c, fes, {t: token_bucket(t, c.top_k, c.num_experts, fmt, fes, c.hidden_size) for t in range(1, 40)}
+def _gemv_bucket_layers(bucket: str, fmt: str) -> list[tuple[Any, dict[str, Any], dict[int, str], list[int]]]:
+    """The bench contracts' world-size-1 layers of weight format ``fmt`` with H <= 2048, where a GEMV bucket may
+    serve: (contract, bucket frontends, T -> bucket for T = 1-39, the T that ``bucket`` serves) each. Every other
+    layer (the other format, a larger H) is checked here to neither serve nor build ``bucket``, and so is an EP
+    layer's bucket list (the GEMV is a world-size-1 knob)."""
+    layers = []
+    for f in FORMATS:
+        for name in ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3"):
+            c = CONTRACTS[name]
+            fes = bucket_frontends(CONFIG[f](c.hidden_size, c.intermediate_size, c.num_experts, c.top_k), c.num_experts)
+            picks = {t: token_bucket(t, c.top_k, c.num_experts, f, fes, c.hidden_size) for t in range(1, 40)}
+            served = [t for t, b in picks.items() if b == bucket]
+            if f == fmt and c.hidden_size <= 2048:
+                layers.append((c, fes, picks, served))
+            else:
+                assert not served and bucket not in fes, (f, name, picks)
+    assert bucket not in {b.name for b in ep_buckets(2)}
+    assert layers, (bucket, fmt)  # qwen3-30b-a3b at least: the callers' checks are never vacuous
+    return layers
 
 
 def test_routed_gemv_serves_mxfp8_from_one_eighth_to_one_pair_per_expert() -> None:
     """``gemv8r`` (session 42): MXFP8's routed GEMV (FC1 over 8 warps, FC2's early ring, the routing, gather and
     combine kernels around it) past ``gemv8`` up to one pair per expert where H <= 2048 (qwen3-30b-a3b T = 3-16);
     not NVFP4, not the larger contracts, not an EP layer."""
-    for fmt in FORMATS:
-        for name in ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3"):
-            c, fes, picks = _bench_picks(fmt, name)
-            served = [t for t, b in picks.items() if b == "gemv8r"]
-            if fmt == "mxfp8" and c.hidden_size <= 2048:
-                assert served == list(range(3, c.num_experts // c.top_k + 1)), picks  # up to one pair per expert
-                k = fes["gemv8r"].knobs
-                assert k.gemv and k.tile_m == 8 and k.gemv_fc1_k_warps == 8 and k.gemv_k_warps == 4
-                assert k.gemv_early_ring and k.fc2_early_weights and k.gather_early_rows and not k.fc1_early_weights
-                assert not (k.pair_blocks or k.pair_combine or k.gemv_l2_prefetch)
-            else:
-                assert not served and "gemv8r" not in fes, (fmt, name, picks)
-    assert "gemv8r" not in {b.name for b in ep_buckets(2)}
+    for c, fes, picks, served in _gemv_bucket_layers("gemv8r", "mxfp8"):
+        assert served == list(range(3, c.num_experts // c.top_k + 1)), picks  # up to one pair per expert
+        k = fes["gemv8r"].knobs
+        assert k.gemv and k.tile_m == 8 and k.gemv_fc1_k_warps == 8 and k.gemv_k_warps == 4
+        assert k.gemv_early_ring and k.fc2_early_weights and k.gather_early_rows and not k.fc1_early_weights
+        assert not (k.pair_blocks or k.pair_combine or k.gemv_l2_prefetch)
 
 
 def test_two_warp_pair_chain_serves_nvfp4_to_three_sixteenths_of_a_pair_per_expert() -> None:
     """``gemv8k2`` (session 51): NVFP4's pair chain with FC1 and FC2 over 2 GEMV warps and 2-deep rings, past
     ``gemv8`` up to 3/16 pair per expert where H <= 2048 (qwen3-30b-a3b T = 3, its CTAs then one wave); not MXFP8,
     not the larger contracts, not an EP layer."""
-    for fmt in FORMATS:
-        for name in ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3"):
-            c, fes, picks = _bench_picks(fmt, name)
-            served = [t for t, b in picks.items() if b == "gemv8k2"]
-            if fmt == "nvfp4" and c.hidden_size <= 2048:
-                assert served == [t for t in picks if 2 * c.num_experts < 16 * t * c.top_k <= 3 * c.num_experts]
-                assert served == [3], picks
-                k = fes["gemv8k2"].knobs
-                assert k.gemv and k.tile_m == 8 and k.gemv_fc1_k_warps == 2 and k.gemv_k_warps == 2
-                assert k.gemv_stages == 2 and k.pair_blocks and k.pair_combine and k.gemv_row_tma
-                assert not (k.gemv_early_ring or k.gemv_pair_cluster or k.gemv_l2_prefetch)
-            else:
-                assert not served and "gemv8k2" not in fes, (fmt, name, picks)
-    assert "gemv8k2" not in {b.name for b in ep_buckets(2)}
+    for c, fes, picks, served in _gemv_bucket_layers("gemv8k2", "nvfp4"):
+        assert served == [t for t in picks if 2 * c.num_experts < 16 * t * c.top_k <= 3 * c.num_experts]
+        assert served == [3], picks
+        k = fes["gemv8k2"].knobs
+        assert k.gemv and k.tile_m == 8 and k.gemv_fc1_k_warps == 2 and k.gemv_k_warps == 2
+        assert k.gemv_stages == 2 and k.pair_blocks and k.pair_combine and k.gemv_row_tma
+        assert not (k.gemv_early_ring or k.gemv_pair_cluster or k.gemv_l2_prefetch)
 
 
 def test_nvfp4_routed_gemv_serves_past_three_eighths_to_nine_sixteenths_of_a_pair_per_expert() -> None:
     """``gemv8r2`` (session 51): NVFP4's routed GEMV with FC1 over 4 GEMV warps, FC2 over 2 and FC2's early ring,
     past 3/8 up to 9/16 pair per expert where H <= 2048 (qwen3-30b-a3b T = 7-9, where ``swap16``'s FC1 passes one
     wave); ``swap16`` on both sides; not MXFP8, not the larger contracts, not an EP layer."""
-    for fmt in FORMATS:
-        for name in ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3"):
-            c, fes, picks = _bench_picks(fmt, name)
-            served = [t for t, b in picks.items() if b == "gemv8r2"]
-            if fmt == "nvfp4" and c.hidden_size <= 2048:
-                assert served == [t for t in picks if 3 * c.num_experts < 8 * t * c.top_k <= 4.5 * c.num_experts]
-                assert served == [7, 8, 9] and picks[6] == picks[10] == "swap16", picks
-                k = fes["gemv8r2"].knobs
-                assert k.gemv and k.tile_m == 8 and k.gemv_fc1_k_warps == 4 and k.gemv_k_warps == 2
-                assert k.gemv_stages == 2 and k.gemv_early_ring and k.fc2_early_weights and k.gather_early_rows
-                assert not (k.pair_blocks or k.pair_combine or k.gemv_row_tma or k.gemv_l2_prefetch)
-            else:
-                assert not served and "gemv8r2" not in fes, (fmt, name, picks)
-    assert "gemv8r2" not in {b.name for b in ep_buckets(2)}
+    for c, fes, picks, served in _gemv_bucket_layers("gemv8r2", "nvfp4"):
+        assert served == [t for t in picks if 3 * c.num_experts < 8 * t * c.top_k <= 4.5 * c.num_experts]
+        assert served == [7, 8, 9] and picks[6] == picks[10] == "swap16", picks
+        k = fes["gemv8r2"].knobs
+        assert k.gemv and k.tile_m == 8 and k.gemv_fc1_k_warps == 4 and k.gemv_k_warps == 2
+        assert k.gemv_stages == 2 and k.gemv_early_ring and k.fc2_early_weights and k.gather_early_rows
+        assert not (k.pair_blocks or k.pair_combine or k.gemv_row_tma or k.gemv_l2_prefetch)
     # the window's lower bound alone: a bucket serves nothing at or below it
     window = next(b for b in BUCKETS if b.name == "gemv8r2")
     assert not window.serves(6, 8, 128, "nvfp4", hidden=2048) and window.serves(7, 8, 128, "nvfp4", hidden=2048)
