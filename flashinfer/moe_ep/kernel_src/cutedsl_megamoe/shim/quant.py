@@ -82,7 +82,12 @@ class QuantKnobs:
     warp run as one cluster and combine in its rank-0 CTA's shared memory (the same bits; no y rows, counters or
     atomics). ``gemv_row_tma`` (with ``pair_blocks``, BF16 activations; drop v57): FC1 requests its token's BF16 row
     into shared memory with one bulk copy right after its wait, ahead of the ``topk_ids`` read and its weight
-    copies, and quantizes it there (the same values)."""
+    copies, and quantizes it there (the same values). ``gemv_fused`` (with ``pair_combine``; drop v58): the pair
+    chain as one persistent launch of ``num_sms`` CTAs of ``gemv_k_warps`` warps and ``gemv_stages``-deep rings, each
+    CTA an equal share of FC1's and then FC2's weight items, a grid barrier between them (FC2's first weights
+    already in flight); it sums K in another order than the two-kernel chain and serves ``T * top_k <= num_sms``
+    (``gemv_fc1_k_warps``, ``gemv_pair_cluster``, ``gemv_row_tma``, ``gemv_l2_prefetch``, ``gemv_early_ring`` and
+    ``fc2_early_weights`` do not apply to it and are refused)."""
 
     tile_m: int = 128
     fc1_tile_n: int = 256
@@ -111,6 +116,7 @@ class QuantKnobs:
     pair_combine: bool = False
     gemv_pair_cluster: bool = False
     gemv_row_tma: bool = False
+    gemv_fused: bool = False
 
     @property
     def grid(self) -> int:
@@ -250,10 +256,11 @@ class QuantFrontend(KernelFrontend):
                 raise ValueError(f"{name} must be 2, 4, 8 or 16, got {warps}")
         if k.gemv_stages < 2:
             raise ValueError(f"gemv_stages must be 2 or more, got {k.gemv_stages}")
-        # FC2's CTA (token chunks in the ring); FC1's the same, or with pair_blocks the token row (K = H) instead
+        # FC2's CTA (token chunks in the ring); FC1's the same, or with pair_blocks the token row (K = H) instead;
+        # gemv_fused's one CTA is checked by _check_gemv_fused
         fc1_row = g.hidden if k.pair_blocks else 0
         ctas = (("gemv_k_warps", k.gemv_k_warps, 0), ("gemv_fc1_k_warps", fc1_k_warps, fc1_row))
-        for name, warps, row in ctas:
+        for name, warps, row in () if k.gemv_fused else ctas:
             smem = kh.gemv_shared_bytes(self.fmt, k.tile_m, warps, k.gemv_stages, row)
             if smem > kh.SM90_SMEM_BYTES:
                 raise ValueError(
@@ -296,7 +303,48 @@ class QuantFrontend(KernelFrontend):
                 "pair_blocks makes FC1 the layer's first kernel (it reads topk_ids after its wait, and there is no "
                 "gather): set fc1_early_weights=False and gather_early_rows=False"
             )
+        if k.gemv_fused:
+            self._check_gemv_fused()
         self.check_pair_blocks()
+
+    def _check_gemv_fused(self) -> None:
+        k, g = self.knobs, self.geometry
+        if not k.pair_combine:
+            raise ValueError("gemv_fused needs pair_combine=True (the GEMV pair chain in one launch)")
+        unused = [
+            name
+            for name, on in (
+                ("gemv_fc1_k_warps", k.gemv_fc1_k_warps is not None),
+                ("gemv_pair_cluster", k.gemv_pair_cluster),
+                ("gemv_row_tma", k.gemv_row_tma),
+                ("gemv_l2_prefetch", k.gemv_l2_prefetch),
+                ("gemv_early_ring", k.gemv_early_ring),
+                ("fc2_early_weights", k.fc2_early_weights),
+            )
+            if on
+        ]
+        if unused:
+            raise ValueError(
+                f"gemv_fused runs FC1 and FC2 in one grid of gemv_k_warps warps a CTA; {', '.join(unused)} do not "
+                "apply: leave them unset"
+            )
+        smem = kh.gemv_fused_shared_bytes(k.gemv_k_warps, k.gemv_stages, g.hidden, g.intermediate)
+        if smem > kh.SM90_SMEM_BYTES:
+            raise ValueError(
+                f"gemv_fused with gemv_k_warps={k.gemv_k_warps} and gemv_stages={k.gemv_stages} needs {smem} bytes of "
+                f"shared memory at H={g.hidden}, I={g.intermediate} (at most {kh.SM90_SMEM_BYTES}): use fewer warps "
+                "or stages"
+            )
+
+    @property
+    def launch_token_limit(self) -> tuple[int, str, str] | None:
+        """``pair_blocks``' limit; with ``gemv_fused`` also ``T * top_k <= num_sms`` (a CTA's range then spans
+        at most two pairs)."""
+        k, g = self.knobs, self.geometry
+        if k.gemv_fused:
+            most = min(self.pair_blocks_max_tokens, k.num_sms // g.top_k)
+            return most, "gemv_fused", "T * top_k <= num_experts and <= num_sms"
+        return super().launch_token_limit
 
     def kernel_kwargs(self) -> dict[str, Any]:
         """The constructor keywords of the drop's block-scaled kernels that this frontend fixes (the
@@ -336,6 +384,7 @@ class QuantFrontend(KernelFrontend):
             gemv_early_ring=k.gemv_early_ring,
             gemv_pair_cluster=k.gemv_pair_cluster,
             gemv_row_tma=k.gemv_row_tma,
+            gemv_fused=k.gemv_fused,
         )
         return kh.export_moe_quant(kernel, g.hidden, g.intermediate, g.num_experts, g.top_k, out_dir, function_name)
 
@@ -348,7 +397,7 @@ class QuantFrontend(KernelFrontend):
         )
         return kh.moe_quant_workspace_spec(
             max_tokens, g.hidden, g.intermediate, g.num_experts, g.top_k, k.tile_m, k.num_sms, k.gather_in_fc1,
-            k.swap_split_k, counters,
+            k.swap_split_k, counters, k.gemv_fused,
         )  # fmt: skip
 
     def prepare_weights(

@@ -578,6 +578,43 @@ def test_pair_knob_validation(fmt: str) -> None:
     assert chain == (["gemv8k8", "gemv8", "gemv8k2"] if fmt == "nvfp4" else ["gemv8k8", "gemv8"])
 
 
+FUSED_KNOBS = {**PAIR_KNOBS, "pair_combine": True, "fc2_early_weights": False, "gemv_k_warps": 8, "gemv_stages": 4,
+               "gemv_fused": True}  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gemv_fused_knob_validation(fmt: str) -> None:
+    """``gemv_fused`` (drop v58) needs the pair chain with its combine, refuses the two-kernel chain's own knobs (they
+    do not apply to one grid), checks its CTA's shared memory (rings, partial-sum buffers, two token and two
+    activation rows), takes ``T * top_k <= min(num_experts, num_sms)`` per launch, and sizes ``split_ws`` /
+    ``split_count`` for its partials, flags and grid barrier; the EP frontends refuse it (the GEMV is world size 1)."""
+    cfg = CONFIG[fmt](256, 128, 256, 2, knobs=FUSED_KNOBS)
+    (fe,) = set(bucket_frontends(cfg, 256).values())
+    assert fe.launch_token_limit == (66, "gemv_fused", "T * top_k <= num_experts and <= num_sms")
+    with pytest.raises(ValueError, match=r"gemv_fused serves at most 66 tokens per launch .* got T=67"):
+        fe.check_launch_tokens(67)
+    (small,) = set(bucket_frontends(CONFIG[fmt](256, 128, 16, 4, knobs=FUSED_KNOBS), 16).values())
+    assert small.launch_token_limit[0] == 4
+    spec = {b.name: b.shape for b in fe.workspace_spec(4)}
+    assert spec["split_ws"] == (132 * 16 * 32,) and spec["split_count"] == (132 + 2,)
+    rings, parts, rows = 8 * 4 * (4096 + 1024), 2 * 8 * 2048, 2 * (2048 + 768) * 2
+    assert kh.gemv_fused_shared_bytes(8, 4, 2048, 768) == rings + parts + rows + 64
+    for bad, match in (
+        ({"pair_combine": False}, "gemv_fused needs pair_combine=True"),
+        ({"gemv_fc1_k_warps": 8}, "gemv_fc1_k_warps do not apply"),
+        ({"gemv_pair_cluster": True}, "gemv_pair_cluster do not apply"),
+        ({"gemv_row_tma": True}, "gemv_row_tma do not apply"),
+        ({"fc2_early_weights": True, "gemv_early_ring": True}, "gemv_early_ring, fc2_early_weights do not apply"),
+        ({"gemv_k_warps": 16}, r"gemv_fused with gemv_k_warps=16 and gemv_stages=4 needs \d+ bytes"),
+    ):
+        with pytest.raises(MoEEpConfigError, match=match):
+            bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs={**FUSED_KNOBS, **bad}), 8)
+    with pytest.raises(MoEEpConfigError, match="gemv is a world-size-1 knob"):
+        bucket_frontends(CONFIG[fmt](256, 128, 8, 2, knobs=FUSED_KNOBS), 4, EpPlacement(2))
+    # not in any default bucket (no GPU measurement of it yet)
+    assert not any(b.knobs_for(fmt).get("gemv_fused") for b in BUCKETS)
+
+
 def test_gemv_shared_bytes_of_the_pair_chain() -> None:
     """A GEMV CTA's shared memory: per warp and ring stage 4 KB of weight data, 1 KB of scale words and the token
     chunks of its 8-token block (MXFP8 1 KB, NVFP4 2 KB), then 2 KB of fp32 partials per warp (16 a lane); the
@@ -1025,6 +1062,24 @@ def test_pair_chain_is_two_gemvs(tmp_path: Path, fmt: str) -> None:
     assert all(r.spill_bytes == 0 for r in kernel_resources.kernel_resources(lib))
     names = list(kernel_resources.kernel_sass(_swap_gemm_lib(tmp_path / "pairs", pairs, fmt)))
     assert [k.split("#")[0] for k in names] == ["GemvDequantSm90", "GemvDequantSm90", "combine_kernel"], names
+
+
+@pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")
+@pytest.mark.skipif(kernel_resources.find_cuobjdump() is None, reason="needs cuobjdump (pip install .[test])")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gemv_fused_is_one_kernel(tmp_path: Path, fmt: str) -> None:
+    """``gemv_fused`` (drop v58): the layer is one kernel (no routing, gather, second GEMV or combine kernel) that
+    copies nothing and lets no dependent launch before its wait for the kernel before it (``griddepcontrol.wait``),
+    with the grid barrier's and the combine's reply-awaited atomics; one CTA an SM (``.minnctapersm 1``), so its nine
+    warps hold what registers they need: nothing spills."""
+    lib = _swap_gemm_lib(tmp_path, json.dumps(FUSED_KNOBS), fmt)
+    sass = kernel_resources.kernel_sass(lib)
+    assert [k.split("#")[0] for k in sass] == ["GemvFusedPairSm90"], list(sass)
+    (code,) = sass.values()
+    assert pdl_order(code, r"LDGSTS") == (0, False), pdl_order(code, r"LDGSTS")  # no copy, no trigger before the wait
+    assert sum(bool(re.search(r"\bATOMG\b", line)) for line in code) >= 2
+    (res,) = kernel_resources.kernel_resources(lib)
+    assert res.spill_bytes == 0, res
 
 
 @pytest.mark.skipif(not drop.dsl_available(), reason="needs the CuTe DSL compiler (pip install .[test])")

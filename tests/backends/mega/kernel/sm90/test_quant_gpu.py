@@ -41,6 +41,7 @@ from .layer_inputs import fresh_inputs
 pytestmark = pytest.mark.gpu
 
 MAX_T = 4096
+FUSED_GRID = 132  # QuantKnobs.num_sms: gemv_fused's CTAs
 MAX_UNITS = 4.0
 MEAN_GATE_T = 128
 UNIT = {"mxfp8": 2.0**-4, "nvfp4": 2.0**-2}
@@ -81,6 +82,9 @@ GEMV_KNOBS = {
 #: no early FC1 weights and no gather to start early
 PAIR_KNOBS = {"tile_m": 8, "swap_ab": True, "gemv": True, "fc2_early_weights": True, "pair_blocks": True}
 _Q30 = CONTRACTS["qwen3-30b-a3b"]
+#: the pair chain in one persistent launch (``QuantKnobs.gemv_fused``, drop v58): CTAs of 8 warps, 4-deep rings
+FUSED_KNOBS = {**PAIR_KNOBS, "pair_combine": True, "fc2_early_weights": False, "gemv_k_warps": 8, "gemv_stages": 4,
+               "gemv_fused": True}  # fmt: skip
 #: the qwen3-30b-a3b layer's geometry (its decode buckets: the GEMVs' pair chain)
 QWEN3_30B = {"hidden_size": _Q30.hidden_size, "intermediate_size": _Q30.intermediate_size,
              "num_experts": _Q30.num_experts, "top_k": _Q30.top_k, "activation": _Q30.activation,
@@ -345,13 +349,30 @@ GPU_VARIANTS = [
     # its early ring (FC2's 6 K units three a warp, two of them copied before its wait), the bucket's own kernel
     ("nvfp4-qwen3-30b-a3b-gemv8r2", "nvfp4",
      {**QWEN3_30B, "knobs": next(b for b in BUCKETS if b.name == "gemv8r2").knobs_for("nvfp4")}),
+] + [
+    # the pair chain in one launch (gemv_fused, drop v58): qwen3-30b-a3b (FC1 3072 / 6144 items at T = 1, a CTA's range
+    # cutting units at both ends), the small layers (fewer items than CTAs: CTAs of no items), gated and relu2, and a
+    # 1024-wide layer over 4 warps with 2-deep rings
+    (f"{fmt}-qwen3-30b-a3b-fused", fmt, {**QWEN3_30B, "knobs": FUSED_KNOBS}) for fmt in FORMATS
+] + [
+    (f"{fmt}-small-{act}-fused", fmt, {**SMALL, "activation": act, "activation_limit": lim, "knobs": FUSED_KNOBS})
+    for fmt in FORMATS for act, lim in (ACTIVATIONS[0], ACTIVATIONS[-1])
+] + [
+    (f"{fmt}-small1024-swiglu-fused-k4s2", fmt,
+     {**SMALL, "hidden_size": 1024, "intermediate_size": 512, "activation": "swiglu", "activation_limit": None,
+      "knobs": {**FUSED_KNOBS, "gemv_k_warps": 4, "gemv_stages": 2}})
+    for fmt in FORMATS
 ]  # fmt: skip
+FUSED_VARIANTS = [v[0] for v in GPU_VARIANTS if "-fused" in v[0]]
 
 
 def capacity(name: str) -> int:
-    """The token capacity of a test variant's layer: the pair chain's ``T * top_k <= num_experts``, else MAX_T."""
+    """The token capacity of a test variant's layer: the pair chain's ``T * top_k <= num_experts`` (``gemv_fused``:
+    and ``<= num_sms``), else MAX_T."""
+    geometry = next(v[2] for v in GPU_VARIANTS if v[0] == name)
+    if "-fused" in name:
+        return min(geometry["num_experts"], FUSED_GRID) // geometry["top_k"]
     if "-pairs" in name:
-        geometry = next(v[2] for v in GPU_VARIANTS if v[0] == name)
         return geometry["num_experts"] // geometry["top_k"]
     return MAX_T
 
@@ -428,7 +449,8 @@ def _check(name: str, inp, ref_x=None) -> None:
 
 
 @pytest.mark.parametrize(
-    "variant", [v[0] for v in GPU_VARIANTS if ("-small" in v[0] or "-split" in v[0]) and "-pairs" not in v[0]]
+    "variant",
+    [v for v, _, _ in GPU_VARIANTS if ("-small" in v or "-split" in v) and not ("-pairs" in v or "-fused" in v)],
 )
 @pytest.mark.parametrize("routing", ROUTINGS)
 def test_small_every_activation(variant: str, routing: str) -> None:
@@ -597,6 +619,39 @@ def test_pair_chain(variant: str, routing: str) -> None:
         inp = fresh_inputs(cfg, cap + 1, "uniform", seed=5)
         out = torch.full((cap + 1, cfg.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
         with pytest.raises(ValueError, match="pair_blocks serves at most"):
+            fe.launch(
+                inp.hidden_states, be.no_scales, inp.topk_ids, inp.topk_weights, be.weights, be.act_gscale, out, ws
+            )
+        assert bool(out.isnan().all()), "a refused launch wrote its output"
+
+
+@pytest.mark.parametrize("variant", FUSED_VARIANTS)
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_fused_pair_chain(variant: str, routing: str) -> None:
+    """The pair chain in one persistent launch (``gemv_fused``, drop v58) at every T its layer takes (T = 0 too),
+    uniform, one hot expert and empty experts: against the reference (``_check``: poisoned output, format units, a
+    second run bitwise equal); the combine counters, the partials' flags and the grid barrier's count are zero after
+    every call; a graph replay equals eager; a launch past its token limit raises before anything runs."""
+    layer, cfg, _, _ = _layer(variant)
+    assert all(fe.knobs.gemv_fused for fe in layer._backend.frontends.values())
+    cap = capacity(variant)
+    for t in sorted({0, 1, 2, 3, cap // 2, cap}):
+        inp, ref_x = _pair_inputs(cfg, variant, t, routing, "fused")
+        if t == 0:
+            assert layer.forward(inp).shape == (0, cfg.hidden_size)
+            continue
+        _check(variant, inp, ref_x)
+        for bucket, ws in layer._backend.workspace.items():
+            assert not ws["expert_count"].any(), bucket
+            assert not ws["split_count"][: FUSED_GRID + 1].any(), bucket  # flags, barrier count (not its generation)
+    if routing == "uniform":
+        _graph_replay_equals_eager(variant, 1)
+        _graph_replay_equals_eager(variant, cap)
+        be = layer._backend
+        fe, ws = next(iter(be.frontends.values())), next(iter(be.workspace.values()))
+        inp = fresh_inputs(cfg, cap + 1, "uniform", seed=5)
+        out = torch.full((cap + 1, cfg.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
+        with pytest.raises(ValueError, match="gemv_fused serves at most"):
             fe.launch(
                 inp.hidden_states, be.no_scales, inp.topk_ids, inp.topk_weights, be.weights, be.act_gscale, out, ws
             )

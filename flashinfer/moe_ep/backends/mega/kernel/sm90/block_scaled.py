@@ -602,6 +602,7 @@ WORLD1_KNOBS = (
     "pair_blocks",
     "pair_combine",
     "swap_tma_store",
+    "gemv_fused",
 )
 #: the knobs of the fallback buckets (over the defaults)
 FALLBACKS = {"decode": {"tile_m": 64}, "prefill": {}}

@@ -150,6 +150,7 @@ def moe_bf16_workspace_spec(
     num_sms: int = 132,
     cluster_m: int = 1,
     combine_counters: int = 0,
+    gemv_fused: bool = False,
 ) -> list[BufferSpec]:
     """Workspace buffers of ``Sm90MegaMoEBf16Kernel.__call__``, in call order.
 
@@ -205,6 +206,25 @@ def swap_split_workspace(num_sms: int, tok_tile: int, split_k: int) -> tuple[int
     return num_sms * constants.SWAP_MAX_CTA_ROWS * tok_tile, num_sms // 2 * constants.SWAP_SPLIT_COUNTERS
 
 
+#: fp32 accumulators of a GEMV lane (``moe_quant_glu.gemv``: four 16-row atoms, one 8-token column group)
+GEMV_LANE_ACCS = 16
+
+
+def gemv_fused_workspace(grid: int) -> tuple[int, int]:
+    """(fp32 partial sums, int32 flags) of ``moe_quant_glu.gemv_fused`` over ``grid`` CTAs: each CTA's tail partials
+    (``GEMV_LANE_ACCS`` accumulators of 32 lanes) and flag, then the grid barrier's count and generation."""
+    return grid * GEMV_LANE_ACCS * 32, grid + 2
+
+
+def gemv_fused_shared_bytes(k_warps: int, stages: int, hidden: int, inter: int) -> int:
+    """Shared memory of a ``moe_quant_glu.gemv_fused`` CTA: each warp's ``stages``-deep ring of weight items (the 16
+    data bytes and a scale word of its 8 rows per lane), two buffers of the warps' partial sums, two token rows (H)
+    and two activation rows (I) of BF16, and a few counters."""
+    ring = k_warps * stages * (8 * 32 * 16 + 8 * 32 * 4)
+    parts = 2 * k_warps * GEMV_LANE_ACCS * 32 * 4
+    return ring + parts + 2 * (hidden + inter) * 2 + 64
+
+
 def moe_quant_workspace_spec(
     max_tokens: int,
     hidden: int,
@@ -216,6 +236,7 @@ def moe_quant_workspace_spec(
     gather_in_fc1: bool = False,
     split_k: int = 1,
     combine_counters: int = 0,
+    gemv_fused: bool = False,
 ) -> list[BufferSpec]:
     """Workspace buffers of ``moe_quant_glu.Sm90MegaMoEQuantKernel.__call__``, in call order: those of
     ``moe_bf16_workspace_spec`` (``cluster_m`` 1; ``a_buf`` holds the row -> token map with
@@ -225,13 +246,16 @@ def moe_quant_workspace_spec(
 
     - x_rows [max_tokens, H] bf16: with ``gather_in_fc1`` each token's prepared activation row (FC1
       gathers from it); otherwise one row, not read
-    - split_ws fp32: the partial accumulators of the swap-AB split K (``swap_split_workspace``; one
-      element without ``split_k``)
-    - split_count int32: ZERO-INITIALIZED ONCE; the split-K part counters (every call leaves them zero)
+    - split_ws fp32: the partial accumulators of the swap-AB split K (``swap_split_workspace``), or with
+      ``gemv_fused`` those of its split units (``gemv_fused_workspace``); one element without either
+    - split_count int32: ZERO-INITIALIZED ONCE; the split-K part counters (every call leaves them zero), or
+      ``gemv_fused``'s flags and grid barrier (every call leaves them zero but the barrier's generation)
     """
     spec = moe_bf16_workspace_spec(max_tokens, hidden, inter, num_experts, top_k, tile_m, num_sms, 1, combine_counters)
     rows = max(1, max_tokens) if gather_in_fc1 else 1
     partials, counters = swap_split_workspace(num_sms, tile_m, split_k)
+    if gemv_fused:
+        partials, counters = gemv_fused_workspace(num_sms)
     return [
         *spec,
         BufferSpec("x_rows", (rows, hidden), "bfloat16"),

@@ -17,7 +17,8 @@
 
 With ``pair_blocks`` (the GEMV, one token) the GEMMs take M block b as pair b of ``topk_ids``: FC1 prepares
 its token's row itself and no routing or gather kernel runs; with ``pair_combine`` FC2 also does the
-combine, so the layer is two kernels (``gemv`` module docstring).
+combine, so the layer is two kernels (``gemv`` module docstring), and with ``gemv_fused`` one
+(``gemv_fused`` module docstring).
 
 The routing, gather and combine grids are sized to the work, as the BF16 kernel's ``sized_grids``.
 
@@ -33,6 +34,7 @@ from ..moe_bf16_glu import aux_kernels
 from .aux_kernels import dequant_gather_kernel, gather_threads, quant_gather_kernel
 from .dequant_gemm import DequantGroupedGemmSm90
 from .gemv import GEMV_TOKEN_TILES, GemvDequantSm90
+from .gemv_fused import GemvFusedPairSm90
 from .swap_gemm import SwapDequantGemmSm90
 
 
@@ -122,6 +124,13 @@ class Sm90MegaMoEQuantKernel:
     :param gemv_row_tma: (``pair_blocks`` only, BF16 rows: not ``prequantized``) FC1 requests its token's BF16 row
         into shared memory with one bulk copy (TMA, on an mbarrier) right after its wait, before the ``topk_ids``
         read and its weight copies, and quantizes it there (``GemvDequantSm90(row_tma=True)``; the same values).
+    :param gemv_fused: (``pair_combine`` only) the pair chain's FC1 and FC2 as one persistent launch of ``num_sms``
+        CTAs of ``gemv_k_warps`` warps with ``gemv_stages``-deep rings (``gemv_fused.GemvFusedPairSm90``): every CTA
+        an equal share of each GEMV's (pair, row warp, K unit) items, a grid barrier between FC1 and FC2, FC2's
+        weights copied ahead of it; the split units' partial sums meet in ``split_ws`` / ``split_count``
+        (``host_utils.gemv_fused_workspace``). Serves ``T * top_k <= num_sms``. It sums K in another order than the
+        two-kernel chain (fixed for a given T). ``gemv_fc1_k_warps``, ``gemv_pair_cluster``, ``gemv_row_tma``,
+        ``gemv_l2_prefetch``, ``gemv_early_ring`` and ``fc2_early_weights`` do not apply and are refused.
     :param prequantized: ``x`` holds the activation codes in the format (uint8: E4M3 [T, H] or E2M1
         pairs [T, H/2]) and ``x_scale`` their block scales (uint8: UE8M0 [T, H/32] or E4M3 [T, H/16]);
         otherwise ``x`` is bf16 [T, H], quantized by the kernel, and ``x_scale`` is not read.
@@ -164,7 +173,23 @@ class Sm90MegaMoEQuantKernel:
         gemv_early_ring: bool = False,
         gemv_pair_cluster: bool = False,
         gemv_row_tma: bool = False,
+        gemv_fused: bool = False,
     ) -> None:
+        if gemv_fused and not pair_combine:
+            raise ValueError("gemv_fused needs pair_combine (the GEMV pair chain)")
+        if gemv_fused and (
+            gemv_fc1_k_warps is not None
+            or gemv_pair_cluster
+            or gemv_row_tma
+            or gemv_l2_prefetch
+            or gemv_early_ring
+            or fc2_early_weights
+        ):
+            raise ValueError(
+                "gemv_fused runs FC1 and FC2 in one grid of gemv_k_warps warps a CTA: gemv_fc1_k_warps, "
+                "gemv_pair_cluster, gemv_row_tma, gemv_l2_prefetch, gemv_early_ring and fc2_early_weights do not apply"
+            )
+        self.gemv_fused = gemv_fused
         if swap_narrow and not swap_ab:
             raise ValueError("swap_narrow needs the swap-AB GEMMs (swap_ab=True)")
         if swap_tma_store and not (swap_ab and not gemv):
@@ -191,6 +216,8 @@ class Sm90MegaMoEQuantKernel:
         if gather_early_rows and not use_pdl:
             raise ValueError("gather_early_rows needs use_pdl")
         self.gather_early_rows = gather_early_rows
+        if gemv_fused and not use_pdl:
+            raise ValueError("gemv_fused needs use_pdl (it lets its dependents launch after its own wait)")
         if fc2_early_weights and not (swap_ab and use_pdl):
             raise ValueError("fc2_early_weights needs the swap-AB GEMMs (swap_ab=True) and use_pdl")
         if fc1_early_weights and not (swap_ab and use_pdl and not gather_in_fc1):
@@ -221,12 +248,18 @@ class Sm90MegaMoEQuantKernel:
         self.aux_grid = num_sms * 8
         self.use_pdl = use_pdl
         self.aux_vpt = aux_vpt
-        self.fc1, self.fc2 = quant_gemms(
-            fmt, tile_m, fc1_tile_n, fc2_tile_n, activation, limit, num_sms, fc1_stages, fc2_stages, swap_ab, swap_wg,
-            probe, bf_buffers, swap_atoms, swap_stagger, gather_in_fc1, swap_split_k, fc2_early_weights,
-            fc1_early_weights, gemv, gemv_k_warps, gemv_stages, pair_blocks, prequantized, pair_combine, swap_narrow,
-            swap_tma_store, gemv_l2_prefetch, gemv_fc1_k_warps, gemv_early_ring, gemv_pair_cluster, gemv_row_tma,
-        )  # fmt: skip
+        self.fused = None  # gemv_fused: both GEMVs in one launch
+        if gemv_fused:
+            self.fused = GemvFusedPairSm90(fmt, activation, limit, gemv_k_warps, gemv_stages, num_sms, prequantized)
+            self.fc1, self.fc2 = self.fused.fc1, self.fused.fc2
+        else:
+            self.fc1, self.fc2 = quant_gemms(
+                fmt, tile_m, fc1_tile_n, fc2_tile_n, activation, limit, num_sms, fc1_stages, fc2_stages, swap_ab,
+                swap_wg, probe, bf_buffers, swap_atoms, swap_stagger, gather_in_fc1, swap_split_k, fc2_early_weights,
+                fc1_early_weights, gemv, gemv_k_warps, gemv_stages, pair_blocks, prequantized, pair_combine,
+                swap_narrow, swap_tma_store, gemv_l2_prefetch, gemv_fc1_k_warps, gemv_early_ring, gemv_pair_cluster,
+                gemv_row_tma,
+            )  # fmt: skip
 
     @cute.jit
     def __call__(
@@ -259,6 +292,12 @@ class Sm90MegaMoEQuantKernel:
     ):
         num_experts = w13.shape[0]
         pdl = self.use_pdl
+        if cutlass.const_expr(self.gemv_fused):
+            self.fused.launch(
+                x, x_scale, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, w13_gscale, w2_gscale, act_gscale,
+                out, h_buf, a_buf, expert_count, split_ws, split_count, stream, pdl,
+            )  # fmt: skip
+            return
         num_tokens, top_k = topk_ids.shape[0], topk_ids.shape[1]
         # Grids sized to the work (moe_bf16_glu.aux_kernels.launch_ctas): one CTA or a few at small T.
         route_ctas = aux_kernels.launch_ctas(num_tokens * top_k, aux_kernels.ROUTE_PAIRS_PER_CTA, self.num_sms)
