@@ -137,7 +137,6 @@ class Bf16Frontend(KernelFrontend):
 
     def __init__(self, geometry: Geometry, knobs: Bf16Knobs | None = None, **kw: Any) -> None:
         super().__init__(geometry, knobs or default_bf16_knobs(geometry), **kw)
-        self._decode_sms_checked: torch.device | None = None  # decode_fused: the device whose SMs suffice
 
     @property
     def gated(self) -> bool:
@@ -267,14 +266,8 @@ class Bf16Frontend(KernelFrontend):
         """T within the knob set's per-launch limit (``launch_token_limit``); ``decode_fused``: its grid
         co-resident (a grid barrier)."""
         self.check_launch_tokens(x.shape[0])
-        if self.knobs.decode_fused and x.is_cuda and self._decode_sms_checked != x.device:
-            sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-            if self.knobs.num_sms > sms:
-                raise ValueError(
-                    f"decode_fused needs its {self.knobs.num_sms} CTAs co-resident, but {x.device} has {sms} SMs: "
-                    f"set num_sms <= {sms}"
-                )
-            self._decode_sms_checked = x.device
+        if self.knobs.decode_fused:
+            self.check_grid_coresident(x, "decode_fused")
 
 
 __all__ = ["Bf16Frontend", "Bf16Knobs", "default_bf16_knobs"]

@@ -84,6 +84,7 @@ class KernelFrontend(abc.ABC):
         self.knobs = knobs
         self.arch = arch
         self._fn: Callable[..., Any] | None = None
+        self._coresident_on: torch.device | None = None  # check_grid_coresident: the device whose SMs suffice
 
     # -- what a dtype frontend provides -------------------------------------------------------------
     @abc.abstractmethod
@@ -240,6 +241,20 @@ class KernelFrontend(abc.ABC):
                 f"{knob} serves at most {most} tokens per launch ({rule}), got T={tokens}: use a knob set "
                 "without it for this token count"
             )
+
+    def check_grid_coresident(self, x: torch.Tensor, knob: str) -> None:
+        """A kernel whose CTAs meet at a grid barrier (``knob``: BF16's ``decode_fused``, the block-scaled
+        ``gemv_fused``) needs all ``num_sms`` of them resident at once, one an SM: raise ValueError before a launch
+        on a device with fewer SMs, where it would hang (checked once per device)."""
+        if not x.is_cuda or self._coresident_on == x.device:
+            return
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        if self.knobs.num_sms > sms:
+            raise ValueError(
+                f"{knob} needs its {self.knobs.num_sms} CTAs co-resident, but {x.device} has {sms} SMs: "
+                f"set num_sms <= {sms}"
+            )
+        self._coresident_on = x.device
 
     @staticmethod
     def check_workspace_tokens(tokens: int, workspace: dict[str, torch.Tensor]) -> None:

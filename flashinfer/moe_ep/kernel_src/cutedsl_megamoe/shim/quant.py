@@ -437,6 +437,8 @@ class QuantFrontend(KernelFrontend):
         uint8 tensor (not read). ``act_gscale``: fp32 [2], the NVFP4 global scales of the FC1 and FC2
         inputs (ignored by MXFP8)."""
         self.check_launch_tokens(x.shape[0])
+        if self.knobs.gemv_fused:
+            self.check_grid_coresident(x, "gemv_fused")
         self.check_workspace_tokens(x.shape[0], workspace)
         fn = self.load()
         fn(

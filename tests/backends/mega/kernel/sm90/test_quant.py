@@ -615,6 +615,25 @@ def test_gemv_fused_knob_validation(fmt: str) -> None:
     assert not any(b.knobs_for(fmt).get("gemv_fused") for b in BUCKETS)
 
 
+def test_gemv_fused_refuses_a_device_with_fewer_sms(monkeypatch) -> None:
+    """A grid barrier with more CTAs than SMs would hang: ``gemv_fused``'s launch raises first (H100 PCIe: 114
+    SMs against the default 132 CTAs), before anything runs, and passes where the SMs suffice."""
+    (fe,) = set(bucket_frontends(CONFIG["nvfp4"](256, 128, 8, 2, knobs=FUSED_KNOBS), 8).values())
+
+    class Cuda:  # the launch's tensor, as far as the check reads it
+        is_cuda = True
+
+        def __init__(self, index: int) -> None:
+            self.device = torch.device("cuda", index)
+
+    sms = {0: 114, 1: 132}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: dataclasses.make_dataclass(
+        "Props", [("multi_processor_count", int)])(sms[d.index]))  # fmt: skip
+    with pytest.raises(ValueError, match="gemv_fused needs its 132 CTAs co-resident, but cuda:0 has 114 SMs"):
+        fe.check_grid_coresident(Cuda(0), "gemv_fused")
+    fe.check_grid_coresident(Cuda(1), "gemv_fused")
+
+
 def test_gemv_shared_bytes_of_the_pair_chain() -> None:
     """A GEMV CTA's shared memory: per warp and ring stage 4 KB of weight data, 1 KB of scale words and the token
     chunks of its 8-token block (MXFP8 1 KB, NVFP4 2 KB), then 2 KB of fp32 partials per warp (16 a lane); the
