@@ -614,15 +614,20 @@ def test_pair_chain(variant: str, routing: str) -> None:
         assert not ws["expert_count"].any(), bucket
     if routing == "uniform" and not cfg.prequantized_input:
         _graph_replay_equals_eager(variant, 1)
-        be = layer._backend
-        fe, ws = next(iter(be.frontends.values())), next(iter(be.workspace.values()))
-        inp = fresh_inputs(cfg, cap + 1, "uniform", seed=5)
-        out = torch.full((cap + 1, cfg.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
-        with pytest.raises(ValueError, match="pair_blocks serves at most"):
-            fe.launch(
-                inp.hidden_states, be.no_scales, inp.topk_ids, inp.topk_weights, be.weights, be.act_gscale, out, ws
-            )
-        assert bool(out.isnan().all()), "a refused launch wrote its output"
+        _refused_past_capacity(variant, cap, "pair_blocks")
+
+
+def _refused_past_capacity(variant: str, cap: int, knob: str) -> None:
+    """A launch of ``cap + 1`` tokens on the variant's layer raises (``knob`` serves at most ...) before anything runs:
+    its NaN-poisoned output is untouched."""
+    layer, cfg, _, _ = _layer(variant)
+    be = layer._backend
+    fe, ws = next(iter(be.frontends.values())), next(iter(be.workspace.values()))
+    inp = fresh_inputs(cfg, cap + 1, "uniform", seed=5)
+    out = torch.full((cap + 1, cfg.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match=f"{knob} serves at most"):
+        fe.launch(inp.hidden_states, be.no_scales, inp.topk_ids, inp.topk_weights, be.weights, be.act_gscale, out, ws)
+    assert bool(out.isnan().all()), "a refused launch wrote its output"
 
 
 @pytest.mark.parametrize("variant", FUSED_VARIANTS)
@@ -647,15 +652,7 @@ def test_fused_pair_chain(variant: str, routing: str) -> None:
     if routing == "uniform":
         _graph_replay_equals_eager(variant, 1)
         _graph_replay_equals_eager(variant, cap)
-        be = layer._backend
-        fe, ws = next(iter(be.frontends.values())), next(iter(be.workspace.values()))
-        inp = fresh_inputs(cfg, cap + 1, "uniform", seed=5)
-        out = torch.full((cap + 1, cfg.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
-        with pytest.raises(ValueError, match="gemv_fused serves at most"):
-            fe.launch(
-                inp.hidden_states, be.no_scales, inp.topk_ids, inp.topk_weights, be.weights, be.act_gscale, out, ws
-            )
-        assert bool(out.isnan().all()), "a refused launch wrote its output"
+        _refused_past_capacity(variant, cap, "gemv_fused")
 
 
 def routed_gemv_twin(knobs: dict) -> dict:
