@@ -87,7 +87,8 @@ class QuantKnobs:
     CTA an equal share of FC1's and then FC2's weight items, a grid barrier between them (FC2's first weights
     already in flight); it sums K in another order than the two-kernel chain and serves ``T * top_k <= num_sms``
     (``gemv_fc1_k_warps``, ``gemv_pair_cluster``, ``gemv_row_tma``, ``gemv_l2_prefetch``, ``gemv_early_ring`` and
-    ``fc2_early_weights`` do not apply to it and are refused)."""
+    ``fc2_early_weights`` do not apply to it and are refused). It is slower than the two-kernel chain (1.4-1.8x its
+    time at qwen3-30b-a3b T = 1 on an H100, TUNING.md sessions 52-53), so no bucket uses it."""
 
     tile_m: int = 128
     fc1_tile_n: int = 256
