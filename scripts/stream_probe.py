@@ -20,8 +20,15 @@ features in w13's tiled layout; unit j on CTA j mod 132, its 32 K steps over the
 and, for scale, torch's ``amax`` over the same buffer and cuBLAS's batched GEMV (``torch.bmm``: 8
 experts' [N, K] bf16 weights times one column, as FC1 at T = 1).
 
+``layers`` (session 54) asks what a decode *layer* of pure reads costs: per format, a CUDA graph of 8 layers,
+each two launches of the contiguous variants (FC1's weight bytes, then FC2's, as the pair chain reads them) or
+one launch of both (as a fused layer would), us a layer. The bytes are qwen3-30b-a3b's touched weights and
+scales at T = 1 and 2 (8 and 16 experts) in each format. It bounds from below what any kernel of that shape
+can reach; no arithmetic, no routing, no dependency between the launches but the stream order.
+
     CUTE_DSL_ARCH=sm_90a python scripts/stream_probe.py build --out .kcache_stream      # CPU
     source .gpu/env.sh && python scripts/stream_probe.py run --lib .kcache_stream        # GPU
+    source .gpu/env.sh && python scripts/stream_probe.py layers --lib .kcache_stream     # GPU
 
 Every kernel XORs what it read into a word per thread (written out, so nothing is optimized away).
 """
@@ -230,32 +237,6 @@ def run(lib: Path, reps: int, out_json: Path | None) -> None:
     L = 8  # noqa: N806
     rows = []
 
-    def graph_per_op_us(fns) -> float:
-        """Median over ``reps`` replays of a graph of the ``fns`` (8 launches), us per launch."""
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for f in fns:
-                f()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for f in fns:
-                f()
-        for _ in range(3):
-            g.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1000 / len(fns))
-        return statistics.median(times)
-
     mods = {name: tvm_ffi.load_module(str((lib / f"lib{name}.so").resolve())) for name, *_ in VARIANTS}
     for r in SIZES_ROUNDS:
         nbytes = r * ROUND
@@ -270,18 +251,18 @@ def run(lib: Path, reps: int, out_json: Path | None) -> None:
             fn(bufs[0], outs[0])
             torch.cuda.synchronize()
             ok = int(np.bitwise_xor.reduce(outs[0].cpu().numpy())) == want
-            us = graph_per_op_us([lambda i=i, f=fn, b=bufs, o=outs: f(b[i], o[i]) for i in range(L)])
+            us = _graph_us([lambda i=i, f=fn, b=bufs, o=outs: f(b[i], o[i]) for i in range(L)], reps)
             rows.append((nbytes, name, us, read / us / 1e6, ok))
             print(f"{read / 1e6:8.1f} MB {name:24s} {us:8.2f} us {read / us / 1e6:6.3f} TB/s xor_ok={ok}", flush=True)
         half = [b.view(torch.bfloat16) for b in bufs]
-        us = graph_per_op_us([lambda i=i, h=half: torch.amax(h[i]) for i in range(L)])
+        us = _graph_us([lambda i=i, h=half: torch.amax(h[i]) for i in range(L)], reps)
         rows.append((nbytes, "torch.amax", us, nbytes / us / 1e6, True))
         print(f"{nbytes / 1e6:8.1f} MB {'torch.amax':24s} {us:8.2f} us {nbytes / us / 1e6:6.3f} TB/s", flush=True)
         # cuBLAS batched GEMV: 8 experts' [N, 2048] bf16 weights, N from the bytes
         n = nbytes // (8 * 2048 * 2)
         ws = [b.view(torch.bfloat16)[: 8 * n * 2048].view(8, n, 2048) for b in bufs]
         xs = torch.randn(8, 2048, 1, dtype=torch.bfloat16, device=dev)
-        us = graph_per_op_us([lambda i=i, w=ws, x=xs: torch.bmm(w[i], x) for i in range(L)])
+        us = _graph_us([lambda i=i, w=ws, x=xs: torch.bmm(w[i], x) for i in range(L)], reps)
         rows.append((nbytes, "torch.bmm gemv", us, 8 * n * 2048 * 2 / us / 1e6, True))
         print(
             f"{nbytes / 1e6:8.1f} MB {'torch.bmm gemv':24s} {us:8.2f} us {8 * n * 4096 / us / 1e6:6.3f} TB/s",
@@ -297,6 +278,84 @@ def run(lib: Path, reps: int, out_json: Path | None) -> None:
         out_json.write_text(json.dumps(rows))
 
 
+#: qwen3-30b-a3b (H 2048, I 768) at one token: 8 experts' FC1 (2I x H) and FC2 (H x I) weights with their
+#: scales, bytes per weight: BF16 2, MXFP8 1 + 1/32, NVFP4 1/2 + 1/16
+LAYER_FORMATS = {"bf16": 2.0, "mxfp8": 1 + 1 / 32, "nvfp4": 0.5 + 1 / 16}
+LAYER_VARIANTS = ["cp_w16_s4_c2k", "bulk_w8_s4_c4k"]
+
+
+def layers(lib: Path, reps: int) -> None:
+    """Pure-read decode layers: two launches (FC1's bytes, FC2's) or one, 8 layers to a graph, us a layer."""
+    import numpy as np
+    import torch
+    import tvm_ffi
+
+    dev = torch.device("cuda")
+    L = 8  # noqa: N806
+    mods = {name: tvm_ffi.load_module(str((lib / f"lib{name}.so").resolve())) for name in LAYER_VARIANTS}
+    warps = {name: w for name, _m, _p, w, *_ in VARIANTS}
+    print(f"device: {torch.cuda.get_device_name()}")
+    print("format | T | FC1 MB | FC2 MB | variant | two launches us | one launch us | TB/s (two, one)")
+    for fmt, bpw in LAYER_FORMATS.items():
+        for t in (1, 2):
+            experts = 8 * t
+            fc1 = int(experts * 2 * 768 * 2048 * bpw) // 16384 * 16384
+            fc2 = int(experts * 2048 * 768 * bpw) // 16384 * 16384
+            mk = [torch.randint(-(2**31), 2**31 - 1, (n // 4,), dtype=torch.int32, device=dev)
+                  for n in (fc1, fc2, fc1 + fc2) for _ in range(L)]  # fmt: skip
+            b1, b2, b12 = mk[:L], mk[L : 2 * L], mk[2 * L :]
+            for name in LAYER_VARIANTS:
+                fn = getattr(mods[name], name)
+                outs = [torch.zeros(NUM_SMS * 32 * warps[name], dtype=torch.int32, device=dev) for _ in range(L)]
+                fn(b12[0], outs[0])
+                torch.cuda.synchronize()
+                ok = int(np.bitwise_xor.reduce(outs[0].cpu().numpy())) == int(
+                    np.bitwise_xor.reduce(b12[0].cpu().numpy())
+                )
+                two = []
+                for i in range(L):
+                    two += [lambda f=fn, b=b1[i], o=outs[i]: f(b, o), lambda f=fn, b=b2[i], o=outs[i]: f(b, o)]
+                us2 = _graph_us(two, reps) * 2
+                us1 = _graph_us([lambda f=fn, b=b12[i], o=outs[i]: f(b, o) for i in range(L)], reps)
+                tot = fc1 + fc2
+                print(
+                    f"{fmt} | {t} | {fc1 / 1e6:.1f} | {fc2 / 1e6:.1f} | {name} | {us2:.2f} | {us1:.2f} | "
+                    f"{tot / us2 / 1e6:.2f}, {tot / us1 / 1e6:.2f}" + ("" if ok else " WRONG"),
+                    flush=True,
+                )
+            del mk
+            torch.cuda.empty_cache()
+
+
+def _graph_us(fns, reps: int) -> float:
+    """Median over ``reps`` replays of one CUDA graph of ``fns``, us per launch."""
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / len(fns))
+    return statistics.median(times)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -306,9 +365,14 @@ def main() -> int:
     r.add_argument("--lib", type=Path, required=True)
     r.add_argument("--reps", type=int, default=30)
     r.add_argument("--json", type=Path)
+    lay = sub.add_parser("layers", help="pure-read decode layers, two launches against one (session 54)")
+    lay.add_argument("--lib", type=Path, required=True)
+    lay.add_argument("--reps", type=int, default=30)
     a = p.parse_args()
     if a.cmd == "build":
         build(a.out)
+    elif a.cmd == "layers":
+        layers(a.lib, a.reps)
     else:
         run(a.lib, a.reps, a.json)
     return 0
