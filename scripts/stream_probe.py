@@ -278,9 +278,8 @@ def run(lib: Path, reps: int, out_json: Path | None) -> None:
         out_json.write_text(json.dumps(rows))
 
 
-#: qwen3-30b-a3b (H 2048, I 768) at one token: 8 experts' FC1 (2I x H) and FC2 (H x I) weights with their
-#: scales, bytes per weight: BF16 2, MXFP8 1 + 1/32, NVFP4 1/2 + 1/16
-LAYER_FORMATS = {"bf16": 2.0, "mxfp8": 1 + 1 / 32, "nvfp4": 0.5 + 1 / 16}
+#: the contract whose touched weight bytes (with scales, `bench.BYTES_PER_WEIGHT`) a pure-read layer reads
+LAYER_CONTRACT = "qwen3-30b-a3b"
 LAYER_VARIANTS = ["cp_w16_s4_c2k", "bulk_w8_s4_c4k"]
 
 
@@ -290,17 +289,23 @@ def layers(lib: Path, reps: int) -> None:
     import torch
     import tvm_ffi
 
+    from flashinfer.moe_ep.cli.bench import BYTES_PER_WEIGHT
+    from flashinfer.moe_ep.core.activations import fc1_rows
+    from flashinfer.moe_ep.core.contracts import get_contract
+
+    c = get_contract(LAYER_CONTRACT)
     dev = torch.device("cuda")
     L = 8  # noqa: N806
     mods = {name: tvm_ffi.load_module(str((lib / f"lib{name}.so").resolve())) for name in LAYER_VARIANTS}
     warps = {name: w for name, _m, _p, w, *_ in VARIANTS}
     print(f"device: {torch.cuda.get_device_name()}")
     print("format | T | FC1 MB | FC2 MB | variant | two launches us | one launch us | TB/s (two, one)")
-    for fmt, bpw in LAYER_FORMATS.items():
+    for fmt, bpw in BYTES_PER_WEIGHT.items():
         for t in (1, 2):
-            experts = 8 * t
-            fc1 = int(experts * 2 * 768 * 2048 * bpw) // 16384 * 16384
-            fc2 = int(experts * 2048 * 768 * bpw) // 16384 * 16384
+            experts = c.top_k * t  # distinct experts at most
+            rows1 = fc1_rows(c.activation, c.intermediate_size)
+            fc1 = int(experts * rows1 * c.hidden_size * bpw) // 16384 * 16384  # kernels take 16 KiB multiples
+            fc2 = int(experts * c.hidden_size * c.intermediate_size * bpw) // 16384 * 16384
             mk = [torch.randint(-(2**31), 2**31 - 1, (n // 4,), dtype=torch.int32, device=dev)
                   for n in (fc1, fc2, fc1 + fc2) for _ in range(L)]  # fmt: skip
             b1, b2, b12 = mk[:L], mk[L : 2 * L], mk[2 * L :]
