@@ -234,3 +234,21 @@ def test_bar_cells_tables_read_the_bench_csv() -> None:
     assert lines[1].split() == ["T=", "4096", "BF16", "2.000", "ms", "400", "50.0%", "2.50x", "NVFP4", "1.250x"]
     assert "-" in cells.prefill_table(prefill, None)[1].split()  # no ceiling line: no share of it
     assert cells.short(nvfp4) == "NVFP4"
+
+
+def test_demo_and_build_take_a_geometry_spec(capsys) -> None:
+    import argparse
+
+    from flashinfer.moe_ep.cli import build
+
+    assert main(["demo", "--contract", "h256-i128-e16-k4-relu2", "--tokens", "0", "7", "--iters", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "h256-i128-e16-k4-relu2" in out and "all sizes match" in out
+    args = argparse.Namespace(
+        knobs=None, contract=["h2048-i1024-e128-k8"], world_size=1, combine_dtype="bf16", hidden=None
+    )
+    [(name, cfg, e_local)] = build._configs(args)
+    assert name == "h2048-i1024-e128-k8" and e_local == 128
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.top_k) == (2048, 1024, 8)
+    assert main(["demo", "--contract", "h256-i128-e16"]) == 2
+    assert "is not a geometry" in capsys.readouterr().err

@@ -24,7 +24,7 @@ import torch
 from ..backends.mega.kernel.sm90.runtime import prequantized_inputs
 from ..config import BootstrapConfig, FleetParams, MegaConfig, MoEEpTensors, MoEWeightPack
 from ..core.baselines import grouped_mm_moe
-from ..core.contracts import get_contract
+from ..core.contracts import CONTRACTS, GEOMETRY_FORM, get_contract
 from ..core.inputs import make_contract_weights, make_hidden_states, make_token_inputs, relative_errors, rounding_ulps
 from ..core.reference import moe_reference
 from ..core.reference_quant import moe_reference_quantized, nvfp4_static_scales, quantize_expert_weights
@@ -41,7 +41,13 @@ BYTES_PER_WEIGHT = {"bf16": 2.0, "mxfp8": 1.0 + 1 / 32, "nvfp4": 0.5 + 1 / 16}
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="benchmark the mega layer against torch._grouped_mm (GPU)")
-    p.add_argument("--contract", nargs="+", default=list(DEFAULT_CONTRACTS))
+    p.add_argument(
+        "--contract",
+        nargs="+",
+        default=list(DEFAULT_CONTRACTS),
+        help=f"contracts ({', '.join(CONTRACTS)}) or geometries ({GEOMETRY_FORM}); "
+        f"default: {' '.join(DEFAULT_CONTRACTS)}",
+    )
     p.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS))
     p.add_argument(
         "--backend",

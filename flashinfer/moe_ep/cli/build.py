@@ -11,7 +11,7 @@ from ..backends.mega.catalog import CATALOG, catalog_entry
 from ..backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl import tuning
 from ..backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl.config import Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig
 from ..core.activations import ACTIVATIONS
-from ..core.contracts import CONTRACTS, get_contract
+from ..core.contracts import CONTRACTS, GEOMETRY_FORM, get_contract
 from ..errors import MoEEpConfigError
 
 BF16 = "sm90_bf16_bf16_bf16_cutedsl"
@@ -28,7 +28,12 @@ def add_parser(sub: Any) -> None:
         choices=[BF16, *BLOCK_SCALED],
         help="which kernel family (default: the BF16 one)",
     )
-    p.add_argument("--contract", nargs="+", default=None, help=f"contracts, or 'all' ({', '.join(CONTRACTS)})")
+    p.add_argument(
+        "--contract",
+        nargs="+",
+        default=None,
+        help=f"contracts or geometries ({GEOMETRY_FORM}), or 'all' ({', '.join(CONTRACTS)})",
+    )
     p.add_argument("--hidden", type=int)
     p.add_argument("--intermediate", type=int)
     p.add_argument("--experts", type=int, help="experts per rank (with --hidden ...); else from the contract")

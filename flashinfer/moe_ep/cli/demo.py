@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..config import BootstrapConfig, FleetParams, MegaConfig, MoEEpTensors, MoEWeightPack
-from ..core.contracts import CONTRACTS, get_contract
+from ..core.contracts import CONTRACTS, GEOMETRY_FORM, get_contract
 from ..core.inputs import ROUTINGS, make_expert_weights, make_hidden_states, make_topk, relative_errors, rounding_ulps
 from ..core.reference import moe_reference
 from ..core.runtime.local_ranks import run_on_local_ranks
@@ -26,7 +26,11 @@ CPU_WEIGHT_LIMIT_BYTES = 6 << 30
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("demo", help="run a model contract's MoE layer and check it against the reference")
-    p.add_argument("--contract", default="tiny", choices=sorted(CONTRACTS), help="model geometry (default: tiny)")
+    p.add_argument(
+        "--contract",
+        default="tiny",
+        help=f"model geometry: {', '.join(sorted(CONTRACTS))}, or {GEOMETRY_FORM} (default: tiny)",
+    )
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 7, 64], help="tokens per rank (several allowed)")
     p.add_argument("--world-size", type=int, default=1, help="EP ranks; >1 runs local gloo ranks on the CPU")
     p.add_argument("--backend", default="auto", help="kernel name, or auto (best that runs here)")

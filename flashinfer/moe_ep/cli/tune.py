@@ -24,7 +24,7 @@ from ..backends.mega.catalog import catalog_entry
 from ..backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl import tuning as bf16_tuning
 from ..backends.mega.kernel.sm90.bf16_bf16_bf16_cutedsl.config import Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig
 from ..backends.mega.kernel.sm90.runtime import sm90_requirements
-from ..core.contracts import CONTRACTS, get_contract
+from ..core.contracts import CONTRACTS, GEOMETRY_FORM, get_contract
 from ..errors import MoEEpBackendUnavailableError, MoEEpConfigError
 
 #: backends with a tuning surface, by kernel name.
@@ -34,7 +34,12 @@ TUNABLE = {Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig.kernel_name: bf16_tuning}
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("tune", help="autotune knobs per token bucket into the knob cache (GPU; torchrun for EP)")
     p.add_argument("--backend", default=Sm90_Bf16_Bf16_Bf16_Cutedsl_MegaMoeConfig.kernel_name, choices=sorted(TUNABLE))
-    p.add_argument("--contract", nargs="+", required=True, help=f"contracts, or 'all' ({', '.join(CONTRACTS)})")
+    p.add_argument(
+        "--contract",
+        nargs="+",
+        required=True,
+        help=f"contracts or geometries ({GEOMETRY_FORM}), or 'all' ({', '.join(CONTRACTS)})",
+    )
     p.add_argument(
         "--max-tokens",
         type=int,

@@ -1,11 +1,18 @@
-"""Named model contracts: the MoE geometries the demo, the benchmarks and the tuner speak of."""
+"""Named model contracts: the MoE geometries the demo, the benchmarks and the tuner speak of.
+
+Wherever a command takes ``--contract``, it takes a name of ``CONTRACTS`` or a geometry written
+``h<hidden>-i<intermediate>-e<experts>-k<top_k>[-<activation>][-limit<L>]`` (``get_contract``), e.g.
+``h2048-i1024-e128-k8`` or ``h2688-i1856-e128-k6-relu2``: the activation defaults to swiglu, and the spec is
+the contract's name, so the tables and CSVs that print it can be fed back.
+"""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from ..errors import MoEEpConfigError
-from .activations import ActivationSpec, fc1_rows
+from .activations import ACTIVATIONS, ActivationSpec, fc1_rows
 
 
 @dataclass(frozen=True)
@@ -55,11 +62,37 @@ CONTRACTS: dict[str, ModelContract] = {
 }
 
 
+GEOMETRY_FORM = "h<hidden>-i<intermediate>-e<experts>-k<top_k>[-<activation>][-limit<L>]"
+_GEOMETRY = re.compile(r"h(\d+)-i(\d+)-e(\d+)-k(\d+)(?:-((?!limit)[a-z][a-z0-9_]*))?(?:-limit(\d+(?:\.\d*)?))?")
+
+
+def parse_geometry(spec: str) -> ModelContract:
+    """The contract a geometry spec (``GEOMETRY_FORM``) writes, named by the spec itself."""
+    m = _GEOMETRY.fullmatch(spec)
+    if m is None:
+        raise MoEEpConfigError(f"{spec!r} is not a geometry {GEOMETRY_FORM} (e.g. h2048-i768-e128-k8)")
+    hidden, inter, experts, top_k = (int(g) for g in m.groups()[:4])
+    activation = m.group(5) or "swiglu"
+    if activation not in ACTIVATIONS:
+        raise MoEEpConfigError(f"{spec!r}: unknown activation {activation!r}; known: {', '.join(ACTIVATIONS)}")
+    if min(hidden, inter, experts, top_k) < 1:
+        raise MoEEpConfigError(f"{spec!r}: hidden, intermediate, experts and top_k must be >= 1")
+    if top_k > experts:
+        raise MoEEpConfigError(f"{spec!r}: top_k={top_k} exceeds experts={experts}")
+    limit = float(m.group(6)) if m.group(6) else None
+    return ModelContract(spec, hidden, inter, experts, top_k, activation, limit, note="a geometry spec")
+
+
 def get_contract(name: str) -> ModelContract:
-    try:
+    """The named contract, or the geometry ``name`` writes (``GEOMETRY_FORM``)."""
+    if name in CONTRACTS:
         return CONTRACTS[name]
-    except KeyError:
-        raise MoEEpConfigError(f"unknown contract {name!r}; known: {', '.join(CONTRACTS)}") from None
+    if name[:1] == "h" and name[1:2].isdigit():  # a geometry, or a near miss: its own error
+        return parse_geometry(name)
+    raise MoEEpConfigError(
+        f"unknown contract {name!r}; known: {', '.join(CONTRACTS)}; or a geometry {GEOMETRY_FORM} "
+        "(e.g. h2048-i768-e128-k8)"
+    )
 
 
-__all__ = ["CONTRACTS", "ModelContract", "get_contract"]
+__all__ = ["CONTRACTS", "GEOMETRY_FORM", "ModelContract", "get_contract", "parse_geometry"]
