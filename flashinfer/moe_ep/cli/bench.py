@@ -535,8 +535,9 @@ def run(args: argparse.Namespace) -> int:
         writer.writerows(rows)
     plotted = _plot(rows, out / "bench.png")
     print(f"\nwrote {out / 'bench.csv'}" + (f" and {out / 'bench.png'}" if plotted else " (no matplotlib: no plot)"))
+    cw = max([16, *(len(r["contract"]) for r in rows)])  # geometry specs may be longer than the names
     print(
-        f"\n{'contract':<16} {'backend':<30} {'T':>6} {'ms':>8} {'L ms':>8} {'graph ms':>8} {'L':>2} {'TFLOP/s':>8} "
+        f"\n{'contract':<{cw}} {'backend':<30} {'T':>6} {'ms':>8} {'L ms':>8} {'graph ms':>8} {'L':>2} {'TFLOP/s':>8} "
         f"{'GB/s w':>8} "
         f"{'%floor':>7} "
         f"{'base ms':>8} {'x base':>6} {'x 1st':>6} {'mean err':>8} {'max err':>8} {'e2e mean':>8} {'e2e norm':>8} "
@@ -544,7 +545,7 @@ def run(args: argparse.Namespace) -> int:
     )
     for r in rows:
         print(
-            f"{r['contract']:<16} {r['backend']:<30} {r['tokens']:>6} {r['ms']:>8.3f} "
+            f"{r['contract']:<{cw}} {r['backend']:<30} {r['tokens']:>6} {r['ms']:>8.3f} "
             + "".join(f"{'-':>8} " if math.isnan(r[k]) else f"{r[k]:>8.3f} " for k in ("eager_layers_ms", "graph_ms"))
             + f"{r['graph_layers']:>2}"
             + f" {r['tflops']:>8.0f} "
