@@ -40,6 +40,8 @@ def test_a_geometry_spec_matches_the_named_contract_it_writes() -> None:
         ("h2048-i1024-e8-k9", "exceeds experts"),
         ("h2048-i1024-e128-k8-gelu", "unknown activation 'gelu'"),
         ("h0-i64-e8-k2", "must be >= 1"),
+        ("h2048-i1024-e128-k8-relu2-limit7", "takes no clamp limit"),
+        ("h2048-i1024-e128-k8-limit0", "finite positive"),
     ],
 )
 def test_a_bad_geometry_says_what_is_wrong(spec: str, says: str) -> None:

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import MoEEpConfigError
-from .activations import ACTIVATIONS, ActivationSpec, fc1_rows
+from .activations import ActivationSpec, fc1_rows, validate_activation
 
 
 @dataclass(frozen=True)
@@ -73,13 +73,15 @@ def parse_geometry(spec: str) -> ModelContract:
         raise MoEEpConfigError(f"{spec!r} is not a geometry {GEOMETRY_FORM} (e.g. h2048-i768-e128-k8)")
     hidden, inter, experts, top_k = (int(g) for g in m.groups()[:4])
     activation = m.group(5) or "swiglu"
-    if activation not in ACTIVATIONS:
-        raise MoEEpConfigError(f"{spec!r}: unknown activation {activation!r}; known: {', '.join(ACTIVATIONS)}")
+    limit = float(m.group(6)) if m.group(6) else None
+    try:
+        validate_activation(activation, limit)  # the name, and whether it takes that limit
+    except MoEEpConfigError as exc:
+        raise MoEEpConfigError(f"{spec!r}: {exc}") from None
     if min(hidden, inter, experts, top_k) < 1:
         raise MoEEpConfigError(f"{spec!r}: hidden, intermediate, experts and top_k must be >= 1")
     if top_k > experts:
         raise MoEEpConfigError(f"{spec!r}: top_k={top_k} exceeds experts={experts}")
-    limit = float(m.group(6)) if m.group(6) else None
     return ModelContract(spec, hidden, inter, experts, top_k, activation, limit, note="a geometry spec")
 
 
